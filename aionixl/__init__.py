@@ -1,0 +1,40 @@
+"""aionixl: an asyncio/trio-native KV-cache block transfer engine over NVIDIA NIXL.
+
+    async with aionixl.Engine("decode-0", kv_caches=[k, v]) as engine:
+        peer = await engine.connect("tcp://prefill-host:5555")
+        await engine.transfer_blocks(peer, [0, 1], [7, 8], op="read", notify=b"req-7")
+"""
+
+from ._config import EngineConfig
+from ._engine import Engine, Peer, TransferResult
+from ._errors import (
+    AionixlError,
+    EngineClosedError,
+    HandshakeError,
+    IncompatiblePeerError,
+    ListenError,
+    PeerDisconnectedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ._notifications import Notification
+from ._regions import Region
+
+__all__ = [
+    "AionixlError",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "HandshakeError",
+    "IncompatiblePeerError",
+    "ListenError",
+    "Notification",
+    "Peer",
+    "PeerDisconnectedError",
+    "Region",
+    "TransferError",
+    "TransferResult",
+    "TransferTimeoutError",
+]
+
+__version__ = "0.1.0"

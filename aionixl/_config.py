@@ -1,0 +1,70 @@
+"""Every tunable of an engine, with defaults that suit a server on one host."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+def _mapping() -> Mapping[str, str]:
+    return {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Engine settings. All times are in seconds.
+
+    ``transfer_timeout`` is the deadline a ``transfer_blocks`` call gets when it passes
+    ``timeout=None``; ``math.inf`` disables it. The polling intervals trade idle CPU for
+    latency: the engine polls NIXL every event-loop turn while transfers are in flight, and
+    backs off to ``notification_poll_interval`` while someone waits for a notification, and
+    to ``idle_poll_interval`` when nothing at all is happening.
+    """
+
+    backends: tuple[str, ...] = ("UCX",)
+    #: Let NIXL run its own progress thread. Off by default: the engine drives progress.
+    nixl_progress_thread: bool = False
+    #: Extra compatibility keys (model, dtype, layout...) that must match on both sides.
+    compat: Mapping[str, str] = field(default_factory=_mapping)
+    transfer_timeout: float = 60.0
+    #: How long ``aclose()`` may spend releasing NIXL resources before it reports leaks.
+    close_timeout: float = 5.0
+    #: Notifications kept for nobody-waiting-yet; past it the oldest one is dropped.
+    max_pending_notifications: int = 4096
+    #: Largest handshake message accepted or sent.
+    max_handshake_bytes: int = 16 * 1024 * 1024
+    idle_poll_interval: float = 0.05
+    notification_poll_interval: float = 0.001
+    #: ``check_xfer_state`` calls made inline right after a post, before handing the
+    #: transfer to the poller task. Saves a trip through the event loop for short transfers.
+    inline_polls: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
+            raise ValueError("backends must be a non-empty tuple of backend names")
+        object.__setattr__(self, "backends", tuple(self.backends))
+        for key, text in self.compat.items():
+            if not isinstance(key, str) or not isinstance(text, str):
+                raise ValueError("compat must map str to str")
+        object.__setattr__(self, "compat", dict(self.compat))
+        positive: dict[str, float] = {
+            "transfer_timeout": self.transfer_timeout,
+            "close_timeout": self.close_timeout,
+            "idle_poll_interval": self.idle_poll_interval,
+            "notification_poll_interval": self.notification_poll_interval,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if math.isinf(self.close_timeout):
+            raise ValueError("close_timeout must be finite: aclose() is always bounded")
+        counts: dict[str, int] = {
+            "max_pending_notifications": self.max_pending_notifications,
+            "max_handshake_bytes": self.max_handshake_bytes,
+        }
+        for name, value in counts.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.inline_polls, int) or self.inline_polls < 0:
+            raise ValueError(f"inline_polls must be an int >= 0, got {self.inline_polls!r}")

@@ -1,0 +1,829 @@
+"""The engine: one NIXL agent, its registered KV cache, its peers, and the tasks that drive them.
+
+Shape: ``async with Engine(...)`` opens a task group in the owner's task. Inside it, one
+background task holds a cancel scope of its own (so ``aclose()`` from any task stops the
+engine without cancelling the owner's body) and, under it, the handshake listener, the
+transfer poller and the notification drainer. Shutdown is: cancel that scope, wake every
+waiting caller with ``EngineClosedError``, then release NIXL resources in order, each step
+bounded by ``EngineConfig.close_timeout``. The engine starts no threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import zmq
+
+from . import _protocol as proto
+from . import _zmq
+from ._config import EngineConfig
+from ._errors import (
+    AionixlError,
+    EngineClosedError,
+    HandshakeError,
+    IncompatiblePeerError,
+    ListenError,
+    PeerDisconnectedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ._nixl import DONE, ERR, PROC, Agent, Status
+from ._notifications import Mailbox, Notification
+from ._regions import (
+    IndexArray,
+    Region,
+    block_descriptors,
+    block_ids,
+    check_distinct,
+    describe_regions,
+    descriptor_indices,
+    region_offsets,
+    registration_spans,
+)
+
+log = logging.getLogger("aionixl")
+
+Op = Literal["read", "write"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """What one ``transfer_blocks`` call moved."""
+
+    blocks: int
+    nbytes: int
+    seconds: float
+
+
+class Peer:
+    """A remote engine this engine can move blocks to and from.
+
+    Returned by :meth:`Engine.connect`; peers that connected to us appear in
+    :attr:`Engine.peers` too (with ``address`` None). A peer object stays valid until
+    :meth:`Engine.disconnect` or the engine closes; ``connected`` then turns False.
+    """
+
+    __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets",
+                 "_metadata", "_engine", "_connected")
+
+    def __init__(self, engine: Engine, name: str, address: str | None,
+                 regions: list[Region], dlist: int, metadata: bytes) -> None:
+        self.name = name
+        self.address = address
+        self.regions = tuple(regions)
+        self.num_blocks = regions[0].num_blocks
+        self._dlist = dlist
+        self._offsets = region_offsets(len(regions), self.num_blocks)
+        self._metadata = metadata
+        self._engine = engine
+        self._connected = True
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def __repr__(self) -> str:
+        state = "connected" if self._connected else "disconnected"
+        return f"<Peer {self.name!r} at {self.address or '(inbound)'} {state}>"
+
+
+class _InFlight:
+    __slots__ = ("peer", "event", "status", "error")
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.event = anyio.Event()
+        self.status: Status = PROC
+        self.error: AionixlError | None = None
+
+    def finish(self, status: Status, error: AionixlError | None = None) -> None:
+        self.status = status
+        self.error = error
+        self.event.set()
+
+
+_NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
+
+
+class Engine:
+    """Moves KV-cache blocks between this process and peer engines over NIXL.
+
+    ``kv_caches`` is a sequence of regions (torch tensors on CPU or CUDA, or numpy
+    arrays); see the README for the layout rules. ``listen`` is the zmq endpoint peers
+    connect to (port 0 picks a free port); ``None`` runs without a listener, for engines
+    that only connect out.
+    """
+
+    def __init__(self, name: str, kv_caches: Sequence[Any], listen: str | None = "tcp://127.0.0.1:0",
+                 config: EngineConfig | None = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty str")
+        if listen is not None and (not isinstance(listen, str) or not listen):
+            raise ValueError("listen must be a zmq endpoint string such as 'tcp://127.0.0.1:0', or None")
+        if config is None:
+            config = EngineConfig()
+        elif not isinstance(config, EngineConfig):
+            raise TypeError("config must be an aionixl.EngineConfig")
+        self._regions = describe_regions(kv_caches)
+        self._kv_caches = tuple(kv_caches)  # keep the memory alive while registered
+        self._name = name
+        self._listen = listen
+        self._config = config
+        self._num_blocks = self._regions[0].num_blocks
+        self._offsets = region_offsets(len(self._regions), self._num_blocks)
+        self._mem_type = self._regions[0].mem_type
+        self._bytes_per_block = sum(r.block_bytes for r in self._regions)
+        self._compat = dict(config.compat)
+        self._compat_hash = proto.compat_hash(self._regions, self._compat)
+
+        self._state = _NEW
+        self._failure: BaseException | None = None
+        self._address: str | None = None
+        self._agent: Agent | None = None
+        self._zctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._local_dlist = -1
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._bg_scope = anyio.CancelScope()
+        self._bg_started = False
+        self._bg_done = anyio.Event()
+        self._close_done = anyio.Event()
+        self._op_scopes: set[anyio.CancelScope] = set()
+
+        self._peers: dict[str, Peer] = {}
+        self._peers_by_address: dict[str, Peer] = {}
+        self._connecting: dict[str, anyio.Event] = {}
+        self._connect_errors: dict[str, BaseException] = {}
+
+        self._inflight: dict[int, _InFlight] = {}
+        self._parked: set[int] = set()  # handles NIXL would not release yet
+        self._poller_wakeup = anyio.Event()
+        self._drainer_wakeup = anyio.Event()
+        self._mailbox = Mailbox(config.max_pending_notifications)
+        self._final_resources: dict[str, int] = {}
+        self._leaked_on_close = 0
+
+    # ---- properties ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def address(self) -> str | None:
+        """The endpoint actually bound, e.g. ``tcp://127.0.0.1:41877``; None without a listener."""
+        return self._address
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return tuple(self._regions)
+
+    @property
+    def peers(self) -> Mapping[str, Peer]:
+        """Live peers by name: those we connected to and those that connected to us."""
+        return dict(self._peers)
+
+    @property
+    def closed(self) -> bool:
+        return self._state == _CLOSED
+
+    def live_resources(self) -> dict[str, int]:
+        """NIXL resources this engine holds right now (all zero once closed cleanly)."""
+        if self._agent is None:
+            return dict(self._final_resources)
+        counts = self._agent.live()
+        counts["in_flight"] = len(self._inflight)
+        counts["parked_handles"] = len(self._parked)
+        return counts
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "notifications_kept": self._mailbox.kept,
+            "notifications_dropped": self._mailbox.dropped,
+            "notification_waiters": self._mailbox.waiting,
+            "leaked_on_close": self._leaked_on_close,
+        }
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        if self._state != _NEW:
+            raise RuntimeError("an Engine can be entered once")
+        self._state = _OPEN
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            self._open_nixl()
+            self._zctx = zmq.Context()
+            self._bg_started = True
+            await self._tg.start(self._run_background)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+            self._bg_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            raise _single_leaf(exc) from None
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        assert self._tg is not None
+        try:
+            await self.aclose()
+        finally:
+            if self._failure is not None:
+                # A background task crashed: the task group reports it to the owner.
+                result = await self._tg.__aexit__(exc_type, exc, tb)
+            else:
+                # Nothing is left running; let the body's own exception through unwrapped.
+                await self._tg.__aexit__(None, None, None)
+                result = None
+        return result
+
+    async def aclose(self) -> None:
+        """Close the engine: idempotent, safe from any task and from several at once.
+
+        Waiting callers get ``EngineClosedError``; every NIXL resource is released (bounded
+        by ``close_timeout``; what could not be released is logged and counted).
+        """
+        if self._state == _NEW:
+            self._state = _CLOSED
+            self._close_done.set()
+            return
+        if self._state in (_CLOSING, _CLOSED):
+            await self._close_done.wait()
+            return
+        self._state = _CLOSING
+        with anyio.CancelScope(shield=True):
+            await self._close()
+
+    def _open_nixl(self) -> None:
+        cfg = self._config
+        self._agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread)
+        self._agent.register(registration_spans(self._regions), self._mem_type)
+        self._local_dlist = self._agent.prep_dlist(None, block_descriptors(self._regions),
+                                                   self._mem_type)
+
+    async def _run_background(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        try:
+            with self._bg_scope:
+                async with anyio.create_task_group() as tg:
+                    if self._listen is not None:
+                        self._address = await tg.start(self._listener)
+                    tg.start_soon(self._poll_transfers)
+                    tg.start_soon(self._drain_notifications)
+                    task_status.started()
+        except BaseException as exc:
+            if self._state == _OPEN and not isinstance(exc, anyio.get_cancelled_exc_class()):
+                self._failure = exc  # refuse new calls; the owner's exit closes the engine
+            raise
+        finally:
+            self._bg_done.set()
+
+    async def _close(self) -> None:
+        """Ordered teardown; runs shielded, each stage bounded by close_timeout."""
+        deadline = anyio.current_time() + self._config.close_timeout
+        try:
+            self._bg_scope.cancel()
+            if self._bg_started:
+                with anyio.move_on_after(self._config.close_timeout):
+                    await self._bg_done.wait()
+            # Waiting callers learn that the engine closed.
+            for scope in list(self._op_scopes):
+                scope.cancel()
+            closed = EngineClosedError(f"engine {self._name!r} closed")
+            for waiter in self._mailbox.all_waiters():
+                self._mailbox.remove_waiter(waiter)
+                waiter.event.set()
+            inflight, self._inflight = self._inflight, {}
+            for rec in inflight.values():
+                rec.finish(ERR, closed)
+            if self._agent is not None:
+                await self._release_nixl(list(inflight), deadline)
+        finally:
+            if self._zctx is not None:
+                self._zctx.destroy(linger=0)
+                self._zctx = None
+            self._state = _CLOSED
+            self._close_done.set()
+
+    async def _release_nixl(self, handles: list[int], deadline: float) -> None:
+        agent = self._agent
+        assert agent is not None
+        pending = set(handles) | self._parked
+        self._parked = set()
+        cancelled_any = bool(pending)
+        while True:
+            pending = {h for h in pending if not agent.release_xfer(h)}
+            if not pending or anyio.current_time() >= deadline:
+                break
+            self._progress_quietly(agent)
+            await anyio.sleep(0.001)
+        if cancelled_any:
+            # Let UCX retire the cancelled operations before the worker goes away.
+            for _ in range(20):
+                self._progress_quietly(agent)
+                await anyio.sleep(0)
+        problems: list[str] = []
+        if pending:
+            problems.append(f"{len(pending)} transfer handle(s) NIXL would not release")
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer, problems)
+        if self._local_dlist >= 0:
+            self._attempt(agent.release_dlist, self._local_dlist, problems)
+        try:
+            agent.deregister_all()
+        except AionixlError as exc:
+            problems.append(str(exc))
+        counts = agent.live()
+        counts["in_flight"] = 0
+        counts["parked_handles"] = 0
+        self._final_resources = counts
+        self._leaked_on_close = sum(counts.values())
+        if problems:
+            log.error("engine %r closed with leaks: %s", self._name, "; ".join(problems))
+        agent.destroy()
+        self._agent = None
+
+    @staticmethod
+    def _progress_quietly(agent: Agent) -> None:
+        with suppress(AionixlError):
+            agent.get_notifs()
+
+    @staticmethod
+    def _attempt(fn: Any, arg: Any, problems: list[str]) -> None:
+        try:
+            fn(arg)
+        except AionixlError as exc:
+            problems.append(str(exc))
+
+    def _check_open(self) -> None:
+        if self._state == _OPEN and self._failure is None:
+            return
+        if self._failure is not None:
+            raise EngineClosedError(f"engine {self._name!r} stopped after an internal error") \
+                from self._failure
+        if self._state == _NEW:
+            raise EngineClosedError("engine not started: use 'async with Engine(...)'")
+        raise EngineClosedError(f"engine {self._name!r} is closed")
+
+    @contextmanager
+    def _operation(self) -> Iterator[None]:
+        """Run a waiting call so that closing the engine ends it with EngineClosedError."""
+        scope = anyio.CancelScope()
+        self._op_scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._op_scopes.discard(scope)
+        if scope.cancel_called:
+            raise EngineClosedError(f"engine {self._name!r} closed")
+
+    # ---- peers --------------------------------------------------------------------------
+
+    async def connect(self, address: str, timeout: float = 10.0) -> Peer:
+        """Handshake with the engine listening at ``address`` and return its :class:`Peer`.
+
+        Idempotent: a live peer at that address is returned as is, and concurrent calls
+        for one address share one handshake. Raises ``HandshakeError`` when nobody answers
+        within ``timeout`` or the answer is unusable, ``IncompatiblePeerError`` when the
+        geometry or compat keys differ.
+        """
+        self._check_open()
+        if not isinstance(address, str) or not address:
+            raise ValueError("address must be a zmq endpoint string")
+        _check_timeout(timeout, "timeout")
+        with anyio.fail_after(timeout) if math.isfinite(timeout) else _no_deadline():
+            try:
+                while True:
+                    peer = self._peers_by_address.get(address)
+                    if peer is not None and peer.connected:
+                        return peer
+                    pending = self._connecting.get(address)
+                    if pending is None:
+                        break
+                    with self._operation():
+                        await pending.wait()
+                    self._check_open()
+                    error = self._connect_errors.get(address)
+                    if error is not None:
+                        raise _same_kind(error, f"connecting to {address}: {error}") from error
+                done = anyio.Event()
+                self._connecting[address] = done
+                self._connect_errors.pop(address, None)
+                try:
+                    return await self._handshake(address)
+                except Exception as exc:
+                    self._connect_errors[address] = exc
+                    raise
+                finally:
+                    del self._connecting[address]
+                    done.set()
+            except TimeoutError:
+                raise HandshakeError(
+                    f"no handshake answer from {address} within {timeout} s") from None
+
+    async def _handshake(self, address: str) -> Peer:
+        agent, ctx = self._agent, self._zctx
+        assert agent is not None and ctx is not None
+        hello = proto.Hello(proto.PROTOCOL_VERSION, self._name, agent.metadata(),
+                            [proto.RegionInfo.of(r) for r in self._regions], self._compat,
+                            self._compat_hash)
+        limit = self._config.max_handshake_bytes
+        with self._operation():
+            sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, limit)
+                try:
+                    sock.connect(address)
+                except zmq.ZMQError as exc:
+                    raise ValueError(f"bad peer address {address!r}: {exc}") from exc
+                await _zmq.send_multipart(sock, [proto.encode(hello)])
+                frames = await _zmq.recv_multipart(sock)
+            finally:
+                sock.close(linger=0)
+        self._check_open()
+        try:
+            if len(frames) != 1:
+                raise proto.ProtocolError(f"expected 1 frame, got {len(frames)}")
+            reply = proto.decode_reply(frames[0], limit)
+        except proto.ProtocolError as exc:
+            raise HandshakeError(f"unusable handshake reply from {address}: {exc}") from exc
+        if isinstance(reply, proto.Reject):
+            if reply.code == "incompatible":
+                raise IncompatiblePeerError(f"{address} refused us: {reply.reason}", field=reply.field)
+            raise HandshakeError(f"{address} refused the handshake ({reply.code}): {reply.reason}")
+        if reply.name == self._name:
+            raise HandshakeError(f"{address} is this engine ({self._name!r}) itself")
+        try:
+            proto.check_compatible(self._regions, self._compat, reply.regions, reply.compat)
+            proto.check_hash(self._compat_hash, reply.compat_hash)
+        except proto.Incompatible as exc:
+            raise IncompatiblePeerError(f"peer {reply.name!r} at {address}: {exc}",
+                                        field=exc.field) from None
+        peer = self._admit(reply.name, reply.agent_metadata, reply.regions, address)
+        try:
+            agent.make_connection(peer.name)
+        except AionixlError:
+            self._drop_peer(peer, None)
+            raise
+        return peer
+
+    def _admit(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
+               address: str | None) -> Peer:
+        """Load a peer's metadata (or reuse what is loaded) and prepare its descriptors."""
+        agent = self._agent
+        assert agent is not None
+        existing = self._peers.get(name)
+        if existing is not None:
+            if existing._metadata == metadata:
+                if address is not None and existing.address is None:
+                    existing.address = address
+                    self._peers_by_address[address] = existing
+                return existing
+            self._drop_peer(existing, None)  # same name, new incarnation
+        loaded = agent.add_remote(metadata)
+        if loaded != name:
+            self._attempt(agent.remove_remote, loaded, [])
+            raise HandshakeError(f"peer calls itself {name!r} but its NIXL agent is {loaded!r}")
+        remote = [r.to_region() for r in regions]
+        try:
+            dlist = agent.prep_dlist(name, block_descriptors(remote), regions[0].mem_type)
+        except AionixlError:
+            self._attempt(agent.remove_remote, name, [])
+            raise
+        peer = Peer(self, name, address, remote, dlist, metadata)
+        self._peers[name] = peer
+        if address is not None:
+            self._peers_by_address[address] = peer
+        return peer
+
+    def _drop_peer(self, peer: Peer, problems: list[str] | None) -> None:
+        """Fail the peer's transfers, release its descriptors, disconnect in NIXL."""
+        peer._connected = False
+        if self._peers.get(peer.name) is peer:
+            del self._peers[peer.name]
+        if peer.address is not None and self._peers_by_address.get(peer.address) is peer:
+            del self._peers_by_address[peer.address]
+        agent = self._agent
+        if agent is None:
+            return
+        gone = PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
+        for handle, rec in list(self._inflight.items()):
+            if rec.peer is peer:
+                del self._inflight[handle]
+                rec.finish(ERR, gone)
+                if not agent.release_xfer(handle):
+                    self._parked.add(handle)
+        sink: list[str] = [] if problems is None else problems
+        self._attempt(agent.release_dlist, peer._dlist, sink)
+        self._attempt(agent.remove_remote, peer.name, sink)
+        if problems is None and sink:
+            log.warning("dropping peer %r: %s", peer.name, "; ".join(sink))
+
+    async def disconnect(self, peer: Peer) -> None:
+        """Forget ``peer``: its transfers in flight fail, its NIXL state is released."""
+        self._check_open()
+        self._own_peer(peer)
+        if peer.connected:
+            self._drop_peer(peer, None)
+        await anyio.lowlevel.checkpoint()
+
+    def _own_peer(self, peer: object) -> Peer:
+        if not isinstance(peer, Peer) or peer._engine is not self:
+            raise ValueError(f"unknown peer {peer!r}: not a Peer of this engine")
+        return peer
+
+    def _live_peer(self, peer: object) -> Peer:
+        p = self._own_peer(peer)
+        if not p.connected:
+            raise ValueError(f"unknown peer {p.name!r}: it was disconnected")
+        return p
+
+    # ---- the listener -------------------------------------------------------------------
+
+    async def _listener(self, *, task_status: anyio.abc.TaskStatus[str]) -> None:
+        assert self._zctx is not None and self._listen is not None
+        sock: zmq.Socket[bytes] = self._zctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_handshake_bytes + 4096)
+            try:
+                sock.bind(self._listen)
+            except zmq.ZMQError as exc:
+                raise ListenError(f"cannot listen on {self._listen!r}: {exc}") from exc
+            task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            while True:
+                frames = await _zmq.recv_multipart(sock)
+                reply = self._serve(frames)
+                if not _zmq.try_send_multipart(sock, [frames[0], proto.encode(reply)]):
+                    log.debug("handshake reply dropped: the client is gone or not reading")
+                self._wake_drainer()
+                await anyio.lowlevel.checkpoint()
+        finally:
+            sock.close(linger=0)
+
+    def _serve(self, frames: list[bytes]) -> proto.Welcome | proto.Reject:
+        """Answer one handshake request. Never raises for bad input: it rejects."""
+        version = proto.PROTOCOL_VERSION
+        try:
+            if len(frames) != 2:
+                raise proto.ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
+            hello = proto.decode_hello(frames[1], self._config.max_handshake_bytes)
+            if hello.name == self._name:
+                return proto.Reject(version, "self", f"{hello.name!r} is this engine's own name")
+            proto.check_compatible(self._regions, self._compat, hello.regions, hello.compat)
+            proto.check_hash(self._compat_hash, hello.compat_hash)
+            self._admit(hello.name, hello.agent_metadata, hello.regions, None)
+        except proto.ProtocolError as exc:
+            log.warning("rejected a handshake: %s", exc)
+            return proto.Reject(version, exc.code, str(exc))
+        except proto.Incompatible as exc:
+            log.warning("rejected an incompatible peer: %s", exc)
+            return proto.Reject(version, "incompatible", str(exc), exc.field)
+        except Exception as exc:
+            log.warning("handshake failed on our side: %r", exc)
+            return proto.Reject(version, "internal", str(exc))
+        assert self._agent is not None
+        return proto.Welcome(version, self._name, self._agent.metadata(),
+                             [proto.RegionInfo.of(r) for r in self._regions], self._compat,
+                             self._compat_hash)
+
+    # ---- transfers ----------------------------------------------------------------------
+
+    async def transfer_blocks(self, peer: Peer, local_blocks: Sequence[int] | IndexArray,
+                              remote_blocks: Sequence[int] | IndexArray, op: Op = "read",
+                              notify: bytes | None = None,
+                              timeout: float | None = None) -> TransferResult:
+        """Move blocks between this engine and ``peer``, in every region.
+
+        ``op="read"`` copies the peer's block ``remote_blocks[i]`` into our block
+        ``local_blocks[i]``; ``"write"`` copies the other way. Returns once the data is in
+        place. ``notify`` is delivered to the peer after the data landed. ``timeout``
+        defaults to ``EngineConfig.transfer_timeout``; on expiry, or on cancellation, the
+        NIXL transfer is aborted and released.
+        """
+        self._check_open()
+        if op != "read" and op != "write":
+            raise ValueError(f"op must be 'read' or 'write', got {op!r}")
+        p = self._live_peer(peer)
+        local_ids = block_ids(local_blocks, self._num_blocks, "local_blocks")
+        remote_ids = block_ids(remote_blocks, p.num_blocks, "remote_blocks")
+        if local_ids.size != remote_ids.size:
+            raise ValueError(f"local_blocks has {local_ids.size} ids but remote_blocks has "
+                             f"{remote_ids.size}")
+        if op == "read":
+            check_distinct(local_ids, "local_blocks (the destination of a read)")
+        else:
+            check_distinct(remote_ids, "remote_blocks (the destination of a write)")
+        if notify is None:
+            message = b""
+        elif isinstance(notify, (bytes, bytearray, memoryview)):
+            message = bytes(notify)
+        else:
+            raise ValueError("notify must be bytes or None")
+        limit = self._config.transfer_timeout if timeout is None else timeout
+        _check_timeout(limit, "timeout")
+        agent = self._agent
+        assert agent is not None
+        started = time.perf_counter()
+        handle = agent.make_xfer(op, self._local_dlist, descriptor_indices(self._offsets, local_ids),
+                                 p._dlist, descriptor_indices(p._offsets, remote_ids), message)
+        rec: _InFlight | None = None
+        try:
+            status = agent.post(handle)
+            polls = self._config.inline_polls
+            while status == PROC and polls:
+                status = agent.check(handle)
+                polls -= 1
+            if status == PROC:
+                rec = _InFlight(p)
+                self._inflight[handle] = rec
+                self._poller_wakeup.set()
+                status = await self._wait_transfer(rec, limit)
+            if status != DONE:
+                raise TransferError(f"NIXL reported the transfer to {p.name!r} failed")
+        finally:
+            owned = rec is None or self._inflight.pop(handle, None) is not None
+            if owned and not agent.release_xfer(handle):
+                self._parked.add(handle)
+                self._poller_wakeup.set()
+        nblocks = int(local_ids.size)
+        return TransferResult(nblocks, nblocks * self._bytes_per_block, time.perf_counter() - started)
+
+    async def _wait_transfer(self, rec: _InFlight, limit: float) -> Status:
+        try:
+            with anyio.fail_after(limit) if math.isfinite(limit) else _no_deadline():
+                await rec.event.wait()
+        except TimeoutError:
+            if rec.status != DONE:
+                raise TransferTimeoutError(
+                    f"transfer to {rec.peer.name!r} did not finish within {limit} s; "
+                    "it was aborted") from None
+        if rec.error is not None:
+            raise rec.error
+        return rec.status
+
+    async def _poll_transfers(self) -> None:
+        agent = self._agent
+        assert agent is not None
+        while True:
+            if not self._inflight and not self._parked:
+                self._poller_wakeup = anyio.Event()
+                await self._poller_wakeup.wait()
+                self._wake_drainer()
+                continue
+            for handle, rec in list(self._inflight.items()):
+                if rec.event.is_set():
+                    continue
+                try:
+                    status = agent.check(handle)
+                except TransferError as exc:
+                    rec.finish(ERR, exc)
+                    continue
+                if status != PROC:
+                    rec.finish(status)
+            if self._parked:
+                self._parked = {h for h in self._parked if not agent.release_xfer(h)}
+            await anyio.sleep(0)
+
+    # ---- notifications ------------------------------------------------------------------
+
+    def _wake_drainer(self) -> None:
+        self._drainer_wakeup.set()
+
+    async def _drain_notifications(self) -> None:
+        """Take notifications from NIXL and hand them out; also keeps NIXL progressing.
+
+        Cadence: every loop turn while transfers are in flight or notifications arrive,
+        then backing off (doubling) to ``notification_poll_interval`` while someone waits,
+        or to ``idle_poll_interval`` when nobody does. Any activity resets it.
+        """
+        agent = self._agent
+        assert agent is not None
+        mailbox = self._mailbox
+        busy_cap = self._config.notification_poll_interval
+        idle_cap = self._config.idle_poll_interval
+        interval = 0.0
+        while True:
+            try:
+                notifs = agent.get_notifs()
+            except AionixlError as exc:
+                log.warning("reading notifications failed: %s", exc)
+                notifs = {}
+            for peer_name, messages in notifs.items():
+                for message in messages:
+                    mailbox.deliver(Notification(peer_name, message))
+            if notifs or self._inflight:
+                interval = 0.0
+            else:
+                cap = busy_cap if mailbox.waiting else idle_cap
+                interval = min(cap, max(interval * 2.0, 20e-6))
+            if interval == 0.0:
+                await anyio.sleep(0)
+                continue
+            wakeup = self._drainer_wakeup = anyio.Event()
+            with anyio.move_on_after(interval):
+                await wakeup.wait()
+            if wakeup.is_set():
+                interval = 0.0
+
+    async def send_notification(self, peer: Peer, message: bytes) -> None:
+        """Send ``message`` to ``peer`` on its own, not tied to a transfer."""
+        self._check_open()
+        p = self._live_peer(peer)
+        if not isinstance(message, (bytes, bytearray, memoryview)):
+            raise ValueError("message must be bytes")
+        assert self._agent is not None
+        self._agent.send_notif(p.name, bytes(message))
+        self._wake_drainer()
+        await anyio.lowlevel.checkpoint()
+
+    async def wait_notification(self, message: bytes, peer: Peer | str | None = None,
+                                timeout: float | None = None) -> Notification:
+        """Wait for one notification equal to ``message`` (from ``peer`` if given).
+
+        A matching notification that arrived earlier is returned at once. Each
+        notification satisfies exactly one waiter. Raises ``TimeoutError`` after
+        ``timeout`` seconds (None waits until the engine closes).
+        """
+        self._check_open()
+        if not isinstance(message, (bytes, bytearray, memoryview)):
+            raise ValueError("message must be bytes")
+        message = bytes(message)
+        peer_name = peer if peer is None or isinstance(peer, str) else self._own_peer(peer).name
+        if timeout is not None:
+            _check_timeout(timeout, "timeout")
+        kept = self._mailbox.take(message, peer_name)
+        if kept is not None:
+            return kept
+        waiter = self._mailbox.add_waiter(message, peer_name)
+        self._wake_drainer()
+        try:
+            with self._operation():
+                limit = math.inf if timeout is None else timeout
+                with anyio.fail_after(limit) if math.isfinite(limit) else _no_deadline():
+                    await waiter.event.wait()
+        except BaseException as exc:
+            self._mailbox.remove_waiter(waiter)
+            if waiter.result is not None:
+                if isinstance(exc, (TimeoutError, EngineClosedError)):
+                    return waiter.result  # it arrived just as the wait ended: keep it
+                self._mailbox.redeliver(waiter.result)  # cancelled: the next waiter gets it
+            raise
+        if waiter.result is None:
+            self._check_open()
+            raise EngineClosedError(f"engine {self._name!r} closed")
+        return waiter.result
+
+
+def _single_leaf(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _same_kind(error: BaseException, message: str) -> Exception:
+    """A fresh error of the same public kind, for callers that shared a failed handshake."""
+    if isinstance(error, IncompatiblePeerError):
+        return IncompatiblePeerError(message, field=error.field)
+    if isinstance(error, ValueError):
+        return ValueError(message)
+    if isinstance(error, EngineClosedError):
+        return EngineClosedError(message)
+    return HandshakeError(message)
+
+
+@contextmanager
+def _no_deadline() -> Iterator[None]:
+    yield
+
+
+def _check_timeout(value: object, what: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) \
+            or value <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+
+
+__all__ = ["Engine", "Peer", "TransferResult"]

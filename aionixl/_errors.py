@@ -1,0 +1,47 @@
+"""The public exception hierarchy.
+
+Flat and specific: callers catch the class that names what went wrong. Low-level
+errors (NIXL, zmq, msgspec) never escape raw; they ride along as ``__cause__``.
+The mapping from NIXL's exceptions to these classes lives in ``_nixl``.
+"""
+
+from __future__ import annotations
+
+
+class AionixlError(Exception):
+    """Base class of every error aionixl raises on purpose."""
+
+
+class ListenError(AionixlError):
+    """The handshake endpoint could not be bound."""
+
+
+class HandshakeError(AionixlError):
+    """Connecting to a peer failed: nobody answered in time, or the reply was unusable."""
+
+
+class IncompatiblePeerError(HandshakeError):
+    """The peer answered, but its KV-cache geometry or compat settings differ from ours.
+
+    ``field`` names what differs (for example ``"region_count"`` or ``"bytes_per_block[2]"``).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class TransferError(AionixlError):
+    """A block transfer failed."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A block transfer did not finish before its deadline; its NIXL handle was released."""
+
+
+class PeerDisconnectedError(TransferError):
+    """The peer went away (NIXL reported a disconnect) while or before we talked to it."""
+
+
+class EngineClosedError(AionixlError):
+    """The engine is closed, or closed while the call was waiting."""

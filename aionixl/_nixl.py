@@ -1,0 +1,232 @@
+"""The one module that calls into NIXL.
+
+Everything NIXL-specific stays here: which calls exist, what they return, which of their
+exceptions mean what. The rest of aionixl sees small Python objects, plain ints for
+transfer handles, and exceptions from ``aionixl._errors``; :func:`translate` is the one
+place that maps NIXL exceptions onto that hierarchy.
+
+Setup calls (registration, metadata, descriptor lists) go through NIXL's public Python
+wrapper. The per-transfer calls go straight to its bound ``nixlAgent`` with integer
+handles: the wrapper's per-call object and ``__del__`` bookkeeping would cost about as
+much as the transfer itself, and this class keeps its own account of every live handle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import nixl._bindings as _bind
+import numpy as np
+import numpy.typing as npt
+from nixl._api import nixl_agent, nixl_agent_config
+
+from ._errors import (
+    AionixlError,
+    HandshakeError,
+    PeerDisconnectedError,
+    TransferError,
+)
+
+log = logging.getLogger("aionixl")
+
+DONE: Literal[0] = 0
+PROC: Literal[1] = 1
+ERR: Literal[2] = 2
+Status = Literal[0, 1, 2]
+
+_SUCCESS = _bind.NIXL_SUCCESS
+_IN_PROG = _bind.NIXL_IN_PROG
+_OPS = {"read": _bind.NIXL_READ, "write": _bind.NIXL_WRITE}
+_NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(_bind, n) for n in dir(_bind) if n.startswith("nixl") and n.endswith("Error")
+)
+_CREATE_ERRORS: tuple[type[BaseException], ...] = (*_NIXL_ERRORS, RuntimeError)
+_DISCONNECT = _bind.nixlRemoteDisconnectError
+
+Kind = Literal["transfer", "handshake", "setup"]
+
+
+def is_nixl_error(exc: BaseException) -> bool:
+    return isinstance(exc, _NIXL_ERRORS)
+
+
+def translate(exc: BaseException, kind: Kind, what: str) -> AionixlError:
+    """Map a NIXL exception raised while doing ``what`` to the public hierarchy."""
+    detail = f"{what}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, _DISCONNECT):
+        return PeerDisconnectedError(detail)
+    if kind == "transfer":
+        return TransferError(detail)
+    if kind == "handshake":
+        return HandshakeError(detail)
+    return AionixlError(detail)
+
+
+class Agent:
+    """A NIXL agent plus the account of what it holds.
+
+    The counters are what ``Engine.live_resources()`` reports; they move only when a NIXL
+    call succeeded, so a failed release still shows as live.
+    """
+
+    def __init__(self, name: str, backends: tuple[str, ...], progress_thread: bool) -> None:
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        try:
+            self._agent: Any = nixl_agent(name, config)
+        except _CREATE_ERRORS as exc:
+            raise translate(exc, "setup", f"creating NIXL agent {name!r}") from exc
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            self._agent = None
+            raise AionixlError(f"NIXL backend(s) {missing} are not available here")
+        self._raw: Any = self._agent.agent
+        self.name = name
+        self.registrations: list[Any] = []
+        self.dlists: set[int] = set()
+        self.xfers: set[int] = set()
+        self.remote_agents: set[str] = set()
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def register(self, spans: npt.NDArray[np.uint64], mem_type: str) -> None:
+        try:
+            reg = self._agent.register_memory(spans, mem_type)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "setup", "registering KV-cache memory") from exc
+        self.registrations.append(reg)
+
+    def deregister_all(self) -> None:
+        while self.registrations:
+            reg = self.registrations[-1]
+            try:
+                self._agent.deregister_memory(reg)
+            except _NIXL_ERRORS as exc:
+                raise translate(exc, "setup", "deregistering KV-cache memory") from exc
+            self.registrations.pop()
+
+    # ---- metadata and peers -------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        md: bytes = self._agent.get_agent_metadata()
+        return md
+
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "handshake", "loading the peer's NIXL metadata") from exc
+        self.remote_agents.add(name)
+        return name
+
+    def make_connection(self, remote: str) -> None:
+        try:
+            self._agent.make_connection(remote)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "handshake", f"connecting to {remote!r}") from exc
+
+    def remove_remote(self, remote: str) -> None:
+        if remote not in self.remote_agents:
+            return
+        try:
+            self._agent.remove_remote_agent(remote)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "setup", f"removing peer {remote!r}") from exc
+        self.remote_agents.discard(remote)
+
+    # ---- descriptor lists ---------------------------------------------------------------
+
+    def prep_dlist(self, remote: str | None, descs: npt.NDArray[np.uint64], mem_type: str) -> int:
+        """Prepare a descriptor list: local when ``remote`` is None, else the peer's."""
+        target = "NIXL_INIT_AGENT" if remote is None else remote
+        try:
+            handle = self._agent.prep_xfer_dlist(target, descs, mem_type)
+        except _NIXL_ERRORS as exc:
+            kind: Kind = "setup" if remote is None else "handshake"
+            raise translate(exc, kind, "preparing a descriptor list") from exc
+        # Own the raw handle; the wrapper must not release it again from __del__.
+        raw = int(handle._handle)
+        handle._released = True
+        self.dlists.add(raw)
+        return raw
+
+    def release_dlist(self, handle: int) -> None:
+        if handle not in self.dlists:
+            return
+        try:
+            self._raw.releasedDlistH(handle)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "setup", "releasing a descriptor list") from exc
+        self.dlists.discard(handle)
+
+    # ---- transfers (hot path) -----------------------------------------------------------
+
+    def make_xfer(self, op: str, local: int, local_idx: npt.NDArray[np.int32], remote: int,
+                  remote_idx: npt.NDArray[np.int32], notify: bytes) -> int:
+        try:
+            handle: int = self._raw.makeXferReq(_OPS[op], local, local_idx, remote, remote_idx,
+                                                notify, [], False)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "transfer", "creating a transfer") from exc
+        self.xfers.add(handle)
+        return handle
+
+    def post(self, handle: int) -> Status:
+        try:
+            status = self._raw.postXferReq(handle, b"")
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "transfer", "posting a transfer") from exc
+        return DONE if status == _SUCCESS else PROC if status == _IN_PROG else ERR
+
+    def check(self, handle: int) -> Status:
+        """Progress NIXL and report the state; raises the mapped error on failure."""
+        try:
+            status = self._raw.getXferStatus(handle)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "transfer", "checking a transfer") from exc
+        return DONE if status == _SUCCESS else PROC if status == _IN_PROG else ERR
+
+    def release_xfer(self, handle: int) -> bool:
+        """Release (cancelling if still active). False when NIXL refuses for now."""
+        if handle not in self.xfers:
+            return True
+        try:
+            self._raw.releaseXferReq(handle)
+        except _NIXL_ERRORS as exc:
+            log.debug("NIXL refused to release transfer 0x%x for now: %r", handle, exc)
+            return False
+        self.xfers.discard(handle)
+        return True
+
+    # ---- notifications ------------------------------------------------------------------
+
+    def get_notifs(self) -> Mapping[str, list[bytes]]:
+        """Progress NIXL and take the notifications that arrived since the last call."""
+        try:
+            notifs: Mapping[str, list[bytes]] = self._raw.getNotifs({}, [])
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "transfer", "reading notifications") from exc
+        return notifs
+
+    def send_notif(self, remote: str, message: bytes) -> None:
+        try:
+            self._raw.genNotif(remote, message)
+        except _NIXL_ERRORS as exc:
+            raise translate(exc, "transfer", f"sending a notification to {remote!r}") from exc
+
+    # ---- teardown -----------------------------------------------------------------------
+
+    def live(self) -> dict[str, int]:
+        return {
+            "transfer_handles": len(self.xfers),
+            "dlists": len(self.dlists),
+            "remote_agents": len(self.remote_agents),
+            "registrations": len(self.registrations),
+        }
+
+    def destroy(self) -> None:
+        """Drop the agent; NIXL tears down its backends (and their threads) here."""
+        self._raw = None
+        self._agent = None

@@ -1,0 +1,210 @@
+"""The handshake wire format, sans I/O.
+
+One request (``Hello``) and one reply (``Welcome`` or ``Reject``), msgpack-encoded with
+msgspec, strictly decoded. Every message starts with the protocol version so that a peer
+speaking another version gets a clear ``Reject`` instead of a decode error. New fields must
+come with defaults (msgspec then accepts messages without them), which is how the format
+evolves without a version bump.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from ._regions import Region
+
+PROTOCOL_VERSION = 1
+
+RejectCode = Literal["incompatible", "version", "bad-request", "self", "internal"]
+
+
+class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
+    """A region as the peer sees it: enough to build descriptors for its blocks."""
+
+    base: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+    mem_type: Literal["DRAM", "VRAM"]
+    device: int
+
+    @classmethod
+    def of(cls, r: Region) -> RegionInfo:
+        mem: Literal["DRAM", "VRAM"] = "VRAM" if r.mem_type == "VRAM" else "DRAM"
+        return cls(r.base, r.stride, r.block_bytes, r.num_blocks, mem, r.device)
+
+    def to_region(self) -> Region:
+        return Region(self.base, self.stride, self.block_bytes, self.num_blocks, self.mem_type,
+                      self.device)
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Sent by the connecting engine."""
+
+    version: int
+    name: str
+    agent_metadata: bytes
+    regions: list[RegionInfo]
+    compat: dict[str, str]
+    compat_hash: str
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
+    """The listener accepted: here is how to reach its memory."""
+
+    version: int
+    name: str
+    agent_metadata: bytes
+    regions: list[RegionInfo]
+    compat: dict[str, str]
+    compat_hash: str
+
+
+class Reject(msgspec.Struct, frozen=True, tag="reject"):
+    """The listener refused, and says why."""
+
+    version: int
+    code: RejectCode
+    reason: str
+    field: str | None = None
+
+
+class _VersionOnly(msgspec.Struct):
+    version: int
+
+
+class ProtocolError(Exception):
+    """A message did not decode or validate. ``code`` says how to reject it."""
+
+    def __init__(self, message: str, code: RejectCode = "bad-request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Incompatible(Exception):
+    """Two engines cannot exchange blocks; ``field`` names the first difference."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Hello)
+_reply_decoder = msgspec.msgpack.Decoder(Welcome | Reject)
+_version_decoder = msgspec.msgpack.Decoder(_VersionOnly)
+
+
+def encode(message: Hello | Welcome | Reject) -> bytes:
+    return _encoder.encode(message)
+
+
+def _decode(data: bytes, decoder: msgspec.msgpack.Decoder[Any], limit: int) -> object:
+    if len(data) > limit:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the {limit}-byte limit")
+    try:
+        message = decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        version = _peek_version(data)
+        if version is not None and version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"peer speaks handshake protocol v{version}, we speak v{PROTOCOL_VERSION}",
+                "version",
+            ) from exc
+        raise ProtocolError(f"malformed handshake message: {exc}") from exc
+    version = getattr(message, "version", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks handshake protocol v{version}, we speak v{PROTOCOL_VERSION}", "version"
+        )
+    return message
+
+
+def _peek_version(data: bytes) -> int | None:
+    try:
+        return _version_decoder.decode(data).version
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def decode_hello(data: bytes, limit: int) -> Hello:
+    message = _decode(data, _request_decoder, limit)
+    assert isinstance(message, Hello)
+    _validate_regions(message.regions)
+    if not message.name:
+        raise ProtocolError("engine name is empty")
+    return message
+
+
+def decode_reply(data: bytes, limit: int) -> Welcome | Reject:
+    message = _decode(data, _reply_decoder, limit)
+    assert isinstance(message, (Welcome, Reject))
+    if isinstance(message, Welcome):
+        _validate_regions(message.regions)
+    return message
+
+
+def _validate_regions(regions: Sequence[RegionInfo]) -> None:
+    if not regions:
+        raise ProtocolError("peer describes no regions")
+    counts = {r.num_blocks for r in regions}
+    if len(counts) != 1:
+        raise ProtocolError("peer regions disagree on the number of blocks")
+    for i, r in enumerate(regions):
+        if min(r.base, r.stride, r.device) < 0 or r.block_bytes < 1 or r.num_blocks < 1:
+            raise ProtocolError(f"peer region {i} has an impossible geometry: {r}")
+        if r.num_blocks > 1 and r.stride < r.block_bytes:
+            raise ProtocolError(f"peer region {i} has overlapping blocks")
+    if len(regions) * regions[0].num_blocks > 2**31 - 1:
+        raise ProtocolError("peer has more blocks than fit in int32 indices")
+
+
+def compat_hash(regions: Sequence[Region], compat: Mapping[str, str]) -> str:
+    """A digest of what two engines must agree on: region count, block sizes, compat keys.
+
+    Addresses, block counts and memory kinds may differ between peers; they are not hashed.
+    """
+    h = hashlib.sha256(b"aionixl-compat-v1")
+    h.update(len(regions).to_bytes(8, "little"))
+    for r in regions:
+        h.update(r.block_bytes.to_bytes(8, "little"))
+    h.update(msgspec.msgpack.encode(sorted(compat.items())))
+    return h.hexdigest()[:32]
+
+
+def check_compatible(
+    ours: Sequence[Region],
+    our_compat: Mapping[str, str],
+    theirs: Sequence[RegionInfo],
+    their_compat: Mapping[str, str],
+) -> None:
+    """Raise ``Incompatible`` naming the first field that differs."""
+    if len(ours) != len(theirs):
+        raise Incompatible(
+            f"region count differs: we have {len(ours)}, the peer has {len(theirs)}",
+            "region_count",
+        )
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if a.block_bytes != b.block_bytes:
+            raise Incompatible(
+                f"bytes per block of region {i} differ: ours {a.block_bytes}, "
+                f"the peer's {b.block_bytes}",
+                f"bytes_per_block[{i}]",
+            )
+    for key in sorted(set(our_compat) | set(their_compat)):
+        if our_compat.get(key) != their_compat.get(key):
+            raise Incompatible(
+                f"compat[{key!r}] differs: ours {our_compat.get(key)!r}, "
+                f"the peer's {their_compat.get(key)!r}",
+                f"compat[{key}]",
+            )
+
+
+def check_hash(expected: str, got: str) -> None:
+    """Geometry matched field by field yet the digests differ: different hashing rules."""
+    if expected != got:
+        raise Incompatible("compatibility hash differs", "compat_hash")

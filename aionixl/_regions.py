@@ -1,0 +1,203 @@
+"""KV-cache regions: validating the user's tensors and turning block ids into NIXL indices.
+
+Pure numpy; no NIXL here. A region is one tensor or array whose first dimension indexes
+blocks. Block ``b`` of a region is ``region[b]`` and must be one contiguous run of bytes.
+Every region of an engine has the same number of blocks, so one block id names one block
+in every region. The engine's descriptor list holds ``num_regions * num_blocks`` entries,
+region-major: entry ``r * num_blocks + b`` is block ``b`` of region ``r``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+IndexArray = npt.NDArray[np.int32]
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Where one region's blocks live. Addresses are process-local integers."""
+
+    base: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device: int
+
+
+def describe_region(obj: object, position: int) -> Region:
+    """Check one kv_caches entry and say where its blocks are, or raise ValueError."""
+    where = f"kv_caches[{position}]"
+    torch = _torch_module()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _describe_tensor(obj, where)
+    if isinstance(obj, np.ndarray):
+        return _describe_ndarray(obj, where)
+    raise ValueError(f"{where}: expected a torch.Tensor or numpy.ndarray, got {type(obj).__name__}")
+
+
+def _torch_module() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _describe_tensor(t: Any, where: str) -> Region:
+    if t.dim() < 1:
+        raise ValueError(f"{where}: a region needs a block dimension; got a 0-d tensor")
+    if t.device.type == "cpu":
+        mem_type, device = "DRAM", 0
+    elif t.device.type == "cuda":
+        mem_type, device = "VRAM", int(t.device.index or 0)
+    else:
+        raise ValueError(f"{where}: tensors on {t.device.type!r} are not supported (cpu or cuda)")
+    if t.layout is not _torch_module().strided:
+        raise ValueError(f"{where}: only strided (dense) tensors are supported")
+    num_blocks = int(t.shape[0])
+    itemsize = int(t.element_size())
+    block_bytes = int(t[0].numel()) * itemsize if num_blocks else 0
+    if num_blocks and not t[0].is_contiguous():
+        raise ValueError(
+            f"{where}: block {where}[0] is not contiguous (strides {tuple(t.stride())}); "
+            "every block must be one contiguous run of bytes"
+        )
+    return _checked(where, int(t.data_ptr()), int(t.stride(0)) * itemsize, block_bytes,
+                    num_blocks, mem_type, device)
+
+
+def _describe_ndarray(a: npt.NDArray[Any], where: str) -> Region:
+    if a.ndim < 1:
+        raise ValueError(f"{where}: a region needs a block dimension; got a 0-d array")
+    if not a.flags.writeable:
+        raise ValueError(f"{where}: the array is read-only; NIXL may write into it")
+    if a.dtype.hasobject:
+        raise ValueError(f"{where}: object arrays hold pointers, not data")
+    num_blocks = int(a.shape[0])
+    block_bytes = int(a[0].nbytes) if num_blocks else 0
+    if num_blocks and not a[0].flags.c_contiguous:
+        raise ValueError(
+            f"{where}: block {where}[0] is not contiguous (strides {a.strides}); "
+            "every block must be one contiguous run of bytes"
+        )
+    return _checked(where, int(a.__array_interface__["data"][0]), int(a.strides[0]),
+                    block_bytes, num_blocks, "DRAM", 0)
+
+
+def _checked(where: str, base: int, stride: int, block_bytes: int, num_blocks: int,
+             mem_type: str, device: int) -> Region:
+    if num_blocks < 1:
+        raise ValueError(f"{where}: the region has no blocks")
+    if block_bytes < 1:
+        raise ValueError(f"{where}: blocks are empty (0 bytes)")
+    if num_blocks > 1 and stride < block_bytes:
+        raise ValueError(
+            f"{where}: blocks overlap or run backwards (block stride {stride} bytes, "
+            f"block size {block_bytes} bytes)"
+        )
+    return Region(base, stride, block_bytes, num_blocks, mem_type, device)
+
+
+def describe_regions(kv_caches: Sequence[object]) -> list[Region]:
+    """Validate all regions together: same block count, one memory kind."""
+    if isinstance(kv_caches, (np.ndarray, str, bytes)) or _is_tensor(kv_caches):
+        raise ValueError("kv_caches must be a sequence of tensors/arrays, not a single one")
+    regions = [describe_region(obj, i) for i, obj in enumerate(kv_caches)]
+    if not regions:
+        raise ValueError("kv_caches is empty: an engine needs at least one region")
+    counts = {r.num_blocks for r in regions}
+    if len(counts) != 1:
+        raise ValueError(f"every region must have the same number of blocks; got {sorted(counts)}")
+    kinds = {r.mem_type for r in regions}
+    if len(kinds) != 1:
+        raise ValueError("all regions of one engine must be of one memory kind (all CPU or all CUDA)")
+    if len(regions) * regions[0].num_blocks > _INT32_MAX:
+        raise ValueError("too many blocks: regions * blocks must fit in int32")
+    return regions
+
+
+def _is_tensor(obj: object) -> bool:
+    torch = _torch_module()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def block_descriptors(regions: Sequence[Region]) -> npt.NDArray[np.uint64]:
+    """One (address, length, device) row per block, region-major, for ``prep_xfer_dlist``."""
+    rows = []
+    for r in regions:
+        d = np.empty((r.num_blocks, 3), dtype=np.uint64)
+        d[:, 0] = np.uint64(r.base) + np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.stride)
+        d[:, 1] = r.block_bytes
+        d[:, 2] = r.device
+        rows.append(d)
+    return np.concatenate(rows)
+
+
+def registration_spans(regions: Sequence[Region]) -> npt.NDArray[np.uint64]:
+    """(address, length, device) rows covering every block, overlapping spans merged.
+
+    Views of one tensor may share or touch memory; NIXL registers each byte once.
+    """
+    spans = sorted(
+        (r.device, r.base, r.base + (r.num_blocks - 1) * r.stride + r.block_bytes) for r in regions
+    )
+    merged: list[list[int]] = []
+    for device, start, end in spans:
+        if merged and merged[-1][0] == device and start <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], end)
+        else:
+            merged.append([device, start, end])
+    return np.array([[s, e - s, d] for d, s, e in merged], dtype=np.uint64)
+
+
+def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
+    """Turn a sequence of ints or a 1-D integer array into validated int32 block ids."""
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be a sequence of ints or a 1-D integer numpy array")
+    else:
+        try:
+            arr = np.array([operator.index(v) if not isinstance(v, bool) else _no_bool(what)
+                            for v in value], dtype=np.int64)
+        except TypeError:
+            raise ValueError(f"{what} must contain ints only") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
+    if arr.size == 0:
+        raise ValueError(f"{what} is empty: nothing to transfer")
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0:
+        raise ValueError(f"{what} has a negative block id ({low})")
+    if high >= num_blocks:
+        raise ValueError(f"{what} has block id {high}, but there are only {num_blocks} blocks")
+    return arr.astype(np.int32, copy=False)
+
+
+def _no_bool(what: str) -> int:
+    raise ValueError(f"{what} must contain ints, not bools")
+
+
+def region_offsets(num_regions: int, num_blocks: int) -> IndexArray:
+    """Column of per-region offsets into a region-major descriptor list."""
+    return (np.arange(num_regions, dtype=np.int32) * np.int32(num_blocks)).reshape(-1, 1)
+
+
+def descriptor_indices(offsets: IndexArray, ids: IndexArray) -> IndexArray:
+    """Descriptor indices of blocks ``ids`` in every region, region-major."""
+    return (offsets + ids).ravel()
+
+
+def check_distinct(ids: IndexArray, what: str) -> None:
+    """Refuse a destination that names one block twice: the result would be undefined."""
+    if ids.size > 1 and np.unique(ids).size != ids.size:
+        raise ValueError(f"{what} names the same block more than once")

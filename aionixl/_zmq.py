@@ -1,0 +1,50 @@
+"""pyzmq driven from anyio, without zmq.asyncio, threads or receive timeouts.
+
+A zmq socket exposes one edge-triggered FD that only says "look at EVENTS now". The rule:
+try the non-blocking operation first; when it would block, read ``EVENTS`` (which also
+re-arms the FD) and wait on the FD only while the wanted flag is still clear. Works on
+asyncio and trio alike through ``anyio.wait_readable``. One task owns each socket.
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.lowlevel
+import zmq
+
+
+async def recv_multipart(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """Receive one whole multipart message, waiting for it cooperatively."""
+    while True:
+        try:
+            frames: list[bytes] = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            await _wait_for(sock, zmq.POLLIN)
+        else:
+            return frames
+
+
+def try_send_multipart(sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
+    """Send without waiting; False when the peer is unreachable or its queue is full."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return False
+        raise
+    return True
+
+
+async def send_multipart(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    """Send one multipart message, waiting for room cooperatively."""
+    while not try_send_multipart(sock, frames):
+        await _wait_for(sock, zmq.POLLOUT)
+
+
+async def _wait_for(sock: zmq.Socket[bytes], flag: int) -> None:
+    fd = int(sock.getsockopt(zmq.FD))
+    while not int(sock.getsockopt(zmq.EVENTS)) & flag:
+        await anyio.wait_readable(fd)
+    await anyio.lowlevel.checkpoint()
