@@ -411,8 +411,8 @@ class Engine:
         if not isinstance(address, str) or not address:
             raise ValueError("address must be a zmq endpoint string")
         _check_timeout(timeout, "timeout")
-        with anyio.fail_after(timeout) if math.isfinite(timeout) else _no_deadline():
-            try:
+        try:
+            with anyio.fail_after(timeout) if math.isfinite(timeout) else _no_deadline():
                 while True:
                     peer = self._peers_by_address.get(address)
                     if peer is not None and peer.connected:
@@ -437,9 +437,9 @@ class Engine:
                 finally:
                     del self._connecting[address]
                     done.set()
-            except TimeoutError:
-                raise HandshakeError(
-                    f"no handshake answer from {address} within {timeout} s") from None
+        except TimeoutError:
+            raise HandshakeError(
+                f"no handshake answer from {address} within {timeout} s") from None
 
     async def _handshake(self, address: str) -> Peer:
         agent, ctx = self._agent, self._zctx

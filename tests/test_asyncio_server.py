@@ -1,0 +1,71 @@
+"""The engine used the way an asyncio server uses it (pytest-asyncio, strict mode):
+``asyncio.timeout``, ``asyncio.TaskGroup``, ``task.cancel()``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aionixl
+
+from .conftest import PeerProcess, engine_pair, numpy_cache, unique
+
+
+@pytest.mark.asyncio
+async def test_taskgroup_of_requests_each_with_asyncio_timeout() -> None:
+    src, dst = numpy_cache(32, 1024, 2, seed=9), numpy_cache(32, 1024, 2)
+    async with engine_pair(src, dst) as (listener, eng, peer):
+        async def request(i: int) -> aionixl.Notification:
+            async with asyncio.timeout(10):
+                await eng.transfer_blocks(peer, [i], [31 - i], notify=b"req-%d" % i)
+                return await listener.wait_notification(b"req-%d" % i)
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(request(i)) for i in range(32)]
+        assert sorted(t.result().message for t in tasks) == sorted(b"req-%d" % i for i in range(32))
+        for s, d in zip(src, dst, strict=True):
+            assert np.array_equal(d, s[::-1])
+
+
+@pytest.mark.asyncio
+async def test_task_cancel_of_a_notification_wait() -> None:
+    async with aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1), listen=None) as eng:
+        task = asyncio.create_task(eng.wait_notification(b"never"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert eng.stats()["notification_waiters"] == 0
+
+
+@pytest.mark.asyncio
+async def test_asyncio_timeout_and_task_cancel_release_stuck_transfers(
+        peer_process_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    child: PeerProcess = peer_process_factory(num_blocks=4, block_bytes=4 << 20, regions=1,
+                                              env={"UCX_TLS": "tcp"})
+    async with aionixl.Engine(unique("dec"), numpy_cache(4, 4 << 20, 1), listen=None) as eng:
+        peer = await eng.connect(child.address, timeout=30)
+        await eng.transfer_blocks(peer, [0], [0], timeout=30)
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await eng.transfer_blocks(peer, [1], [1])
+            assert eng.live_resources()["transfer_handles"] == 0
+            task = asyncio.create_task(eng.transfer_blocks(peer, [2], [2]))
+            await asyncio.sleep(0.1)
+            assert eng.live_resources()["in_flight"] == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert eng.live_resources()["transfer_handles"] == 0
+            assert eng.live_resources()["in_flight"] == 0
+        finally:
+            os.kill(child.proc.pid, signal.SIGCONT)
+        await eng.transfer_blocks(peer, [3], [3], timeout=30)

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+import aionixl
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"transfer_timeout": 0}, {"transfer_timeout": -1}, {"close_timeout": math.inf},
+    {"idle_poll_interval": math.nan}, {"max_pending_notifications": 0},
+    {"max_handshake_bytes": True}, {"inline_polls": -1}, {"backends": ()},
+    {"compat": {"a": 1}},
+])
+def test_bad_config_is_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        aionixl.EngineConfig(**kwargs)
+
+
+def test_config_copies_compat() -> None:
+    compat = {"model": "x"}
+    cfg = aionixl.EngineConfig(compat=compat, transfer_timeout=math.inf)
+    compat["model"] = "y"
+    assert cfg.compat == {"model": "x"}
+
+
+def test_engine_arguments_are_checked_up_front() -> None:
+    with pytest.raises(ValueError):
+        aionixl.Engine("", [])
+    with pytest.raises(TypeError):
+        aionixl.Engine("x", [bytearray(4)], config={"a": 1})  # type: ignore[arg-type]

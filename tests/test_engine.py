@@ -1,0 +1,508 @@
+"""The engine over real NIXL agents in one process: data, notifications, errors, lifecycle."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+import zmq
+
+import aionixl
+from aionixl import _zmq
+from aionixl._engine import Engine
+
+from .conftest import engine_pair, numpy_cache, task_count, unique
+
+pytestmark = pytest.mark.anyio
+
+
+def zero_resources(engine: Engine) -> bool:
+    return all(v == 0 for v in engine.live_resources().values())
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+# ---- moving bytes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+async def test_read_torch_views_of_one_cache(dtype: torch.dtype) -> None:
+    # A vLLM-style [2, num_blocks, block_size, heads, dim] cache; K and V are views.
+    src = torch.randn(2, 12, 4, 2, 8).to(dtype)
+    dst = torch.zeros(2, 10, 4, 2, 8, dtype=dtype)
+    async with engine_pair([src[0], src[1]], [dst[0], dst[1]]) as (_, eng, peer):
+        result = await eng.transfer_blocks(peer, [0, 3, 4], [11, 2, 7], op="read")
+        assert torch.equal(dst[:, [0, 3, 4]], src[:, [11, 2, 7]])
+        untouched = [b for b in range(10) if b not in (0, 3, 4)]
+        assert not dst[:, untouched].any()
+        assert result.blocks == 3
+        assert result.nbytes == 3 * 2 * src[0, 0].numel() * src.element_size()
+        assert result.seconds >= 0
+
+
+async def test_write_numpy_regions() -> None:
+    src = numpy_cache(8, 4096, 3)  # the listener; written to
+    dst = numpy_cache(8, 4096, 3, seed=7)
+    async with engine_pair(src, dst) as (_, eng, peer):
+        await eng.transfer_blocks(peer, np.array([1, 5], dtype=np.int64),
+                                  np.array([6, 0], dtype=np.uint16), op="write")
+        for s, d in zip(src, dst, strict=True):
+            assert np.array_equal(s[6], d[1]) and np.array_equal(s[0], d[5])
+            assert not s[[1, 2, 3, 4, 5, 7]].any()
+
+
+async def test_regions_with_different_block_sizes_and_strides() -> None:
+    # Region 0: plain; region 1: every other row of a bigger array (stride > block size).
+    src0, src1 = numpy_cache(6, 256, 1, seed=1)[0], numpy_cache(12, 512, 1, seed=2)[0]
+    dst0, dst1 = np.zeros((6, 256), np.uint8), np.zeros((12, 512), np.uint8)
+    async with engine_pair([src0, src1[::2]], [dst0, dst1[::2]]) as (_, eng, peer):
+        await eng.transfer_blocks(peer, [0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0])
+        assert np.array_equal(dst0, src0[::-1])
+        assert np.array_equal(dst1[::2], src1[::2][::-1])
+        assert not dst1[1::2].any()
+
+
+async def test_listener_side_can_write_to_an_inbound_peer() -> None:
+    src, dst = numpy_cache(4, 1024, 2, seed=3), numpy_cache(4, 1024, 2)
+    async with engine_pair(src, dst) as (listener, connector, _):
+        inbound = listener.peers[connector.name]
+        assert inbound.address is None and inbound.connected
+        await listener.transfer_blocks(inbound, [2], [3], op="write")
+        assert all(np.array_equal(d[3], s[2]) for s, d in zip(src, dst, strict=True))
+
+
+async def test_many_concurrent_transfers() -> None:
+    src, dst = numpy_cache(64, 2048, 2, seed=11), numpy_cache(64, 2048, 2)
+    async with engine_pair(src, dst) as (_, eng, peer):
+        results: list[aionixl.TransferResult] = []
+
+        async def one(i: int) -> None:
+            results.append(await eng.transfer_blocks(peer, [i], [63 - i]))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(48):
+                tg.start_soon(one, i)
+        assert len(results) == 48
+        for s, d in zip(src, dst, strict=True):
+            assert np.array_equal(d[:48], s[63:15:-1])
+        assert eng.live_resources()["transfer_handles"] == 0
+
+
+# ---- notifications ------------------------------------------------------------------------
+
+
+async def test_notify_arrives_after_the_data() -> None:
+    src, dst = numpy_cache(4, 512, 1, seed=5), numpy_cache(4, 512, 1)
+    async with engine_pair(src, dst) as (listener, eng, peer):
+        async with anyio.create_task_group() as tg:
+            got: list[aionixl.Notification] = []
+
+            async def waiter() -> None:
+                got.append(await listener.wait_notification(b"req-7", timeout=10))
+
+            tg.start_soon(waiter)
+            await anyio.sleep(0.01)
+            await eng.transfer_blocks(peer, [0], [1], notify=b"req-7")
+        assert got == [aionixl.Notification(eng.name, b"req-7")]
+        assert np.array_equal(dst[0][0], src[0][1])
+
+
+async def test_early_notification_is_kept_and_returned_at_once() -> None:
+    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1)) as (listener, eng, peer):
+        await eng.send_notification(peer, b"early")
+        with anyio.fail_after(10):
+            while listener.stats()["notifications_kept"] == 0:
+                await anyio.sleep(0.005)
+        with anyio.fail_after(0.5):
+            note = await listener.wait_notification(b"early")
+        assert note == aionixl.Notification(eng.name, b"early")
+        assert listener.stats()["notifications_kept"] == 0
+
+
+async def test_each_notification_satisfies_exactly_one_waiter() -> None:
+    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1)) as (listener, eng, peer):
+        got: list[aionixl.Notification] = []
+
+        async def waiter() -> None:
+            got.append(await listener.wait_notification(b"same", timeout=10))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            tg.start_soon(waiter)
+            await anyio.sleep(0.02)
+            await eng.send_notification(peer, b"same")
+            with anyio.fail_after(10):
+                while not got:
+                    await anyio.sleep(0.005)
+            await anyio.sleep(0.05)
+            assert len(got) == 1  # the second waiter is still waiting
+            await eng.send_notification(peer, b"same")
+        assert len(got) == 2
+        assert listener.stats()["notifications_kept"] == 0
+
+
+async def test_wait_notification_filters_by_peer_and_reverse_direction() -> None:
+    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1)) as (listener, eng, peer):
+        inbound = listener.peers[eng.name]
+        await listener.send_notification(inbound, b"to-connector")
+        note = await eng.wait_notification(b"to-connector", peer=peer, timeout=10)
+        assert note.peer == listener.name
+        await eng.send_notification(peer, b"x")
+        with pytest.raises(TimeoutError):
+            await listener.wait_notification(b"x", peer="somebody-else", timeout=0.2)
+        assert (await listener.wait_notification(b"x", peer=inbound, timeout=10)).peer == eng.name
+
+
+async def test_wait_notification_timeout_raises_timeout_error() -> None:
+    async with aionixl.Engine(unique("solo"), numpy_cache(1, 64, 1), listen=None) as eng:
+        with anyio.fail_after(5):
+            with pytest.raises(TimeoutError):
+                await eng.wait_notification(b"never", timeout=0.1)
+        assert eng.stats()["notification_waiters"] == 0
+
+
+async def test_pending_notifications_are_bounded_oldest_dropped() -> None:
+    cfg = aionixl.EngineConfig(max_pending_notifications=3)
+    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1), cfg) as (listener, eng, peer):
+        for i in range(5):
+            await eng.send_notification(peer, b"m%d" % i)
+        with anyio.fail_after(10):
+            while listener.stats()["notifications_dropped"] < 2:
+                await anyio.sleep(0.005)
+        assert listener.stats()["notifications_kept"] == 3
+        for i in (2, 3, 4):
+            assert (await listener.wait_notification(b"m%d" % i, timeout=1)).message == b"m%d" % i
+        for i in (0, 1):
+            with pytest.raises(TimeoutError):
+                await listener.wait_notification(b"m%d" % i, timeout=0.05)
+
+
+async def test_cancelled_waiter_does_not_swallow_a_notification() -> None:
+    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1)) as (listener, eng, peer):
+        with anyio.move_on_after(0.05):
+            await listener.wait_notification(b"later")
+        await eng.send_notification(peer, b"later")
+        assert (await listener.wait_notification(b"later", timeout=10)).message == b"later"
+
+
+# ---- bad arguments: ValueError before anything reaches NIXL --------------------------------
+
+
+BAD_ARGS: list[tuple[str, dict[str, Any]]] = [
+    ("local out of range", {"local_blocks": [8], "remote_blocks": [0]}),
+    ("remote out of range", {"local_blocks": [0], "remote_blocks": [12]}),
+    ("negative local", {"local_blocks": [-1], "remote_blocks": [0]}),
+    ("negative remote array", {"local_blocks": [0], "remote_blocks": np.array([-3])}),
+    ("unequal lengths", {"local_blocks": [0, 1], "remote_blocks": [0]}),
+    ("empty", {"local_blocks": [], "remote_blocks": []}),
+    ("float ids", {"local_blocks": [0.0], "remote_blocks": [1]}),
+    ("float array", {"local_blocks": np.array([0.0]), "remote_blocks": [1]}),
+    ("bool ids", {"local_blocks": [True], "remote_blocks": [1]}),
+    ("2-D array", {"local_blocks": np.zeros((1, 1), dtype=np.int32), "remote_blocks": [1]}),
+    ("str ids", {"local_blocks": "01", "remote_blocks": [0, 1]}),
+    ("duplicate read destination", {"local_blocks": [2, 2], "remote_blocks": [0, 1]}),
+    ("duplicate write destination", {"local_blocks": [0, 1], "remote_blocks": [3, 3], "op": "write"}),
+    ("bad op", {"local_blocks": [0], "remote_blocks": [0], "op": "copy"}),
+    ("notify not bytes", {"local_blocks": [0], "remote_blocks": [0], "notify": "req"}),
+    ("negative timeout", {"local_blocks": [0], "remote_blocks": [0], "timeout": -1}),
+    ("nan timeout", {"local_blocks": [0], "remote_blocks": [0], "timeout": math.nan}),
+]
+
+
+@pytest.mark.parametrize(("case", "kwargs"), BAD_ARGS, ids=[c for c, _ in BAD_ARGS])
+async def test_bad_transfer_arguments(case: str, kwargs: dict[str, Any],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    async with engine_pair(numpy_cache(12, 64, 2), numpy_cache(8, 64, 2)) as (_, eng, peer):
+        made: list[Any] = []
+        agent = eng._agent
+        assert agent is not None
+        real = agent.make_xfer
+        monkeypatch.setattr(agent, "make_xfer", lambda *a: made.append(a) or real(*a))
+        with pytest.raises(ValueError):
+            await eng.transfer_blocks(peer, **kwargs)
+        assert made == []
+        await eng.transfer_blocks(peer, [0], [0])  # the spy is live: a good call reaches NIXL
+        assert len(made) == 1
+
+
+async def test_unknown_and_disconnected_peers_are_refused() -> None:
+    async with engine_pair(numpy_cache(4, 64, 1), numpy_cache(4, 64, 1)) as (src, eng, peer):
+        inbound_on_src = src.peers[eng.name]
+        with pytest.raises(ValueError, match="unknown peer"):
+            await eng.transfer_blocks(inbound_on_src, [0], [0])  # belongs to the other engine
+        with pytest.raises(ValueError, match="unknown peer"):
+            await eng.transfer_blocks("not-a-peer", [0], [0])  # type: ignore[arg-type]
+        before = eng.live_resources()
+        await eng.disconnect(peer)
+        after = eng.live_resources()
+        assert not peer.connected and eng.peers == {}
+        assert after["remote_agents"] == before["remote_agents"] - 1
+        assert after["dlists"] == before["dlists"] - 1
+        with pytest.raises(ValueError, match="disconnected"):
+            await eng.transfer_blocks(peer, [0], [0])
+        with pytest.raises(ValueError):
+            await eng.send_notification(peer, b"x")
+        assert src.address is not None
+        again = await eng.connect(src.address)
+        assert again is not peer and again.connected
+        await eng.transfer_blocks(again, [1], [1])
+
+
+# ---- connecting ---------------------------------------------------------------------------
+
+
+async def test_connect_is_idempotent_and_concurrent_connects_share_a_peer() -> None:
+    async with aionixl.Engine(unique("src"), numpy_cache(2, 64, 1)) as src, \
+            aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
+        assert src.address is not None
+        peers: list[aionixl.Peer] = []
+
+        async def connect() -> None:
+            assert src.address is not None
+            peers.append(await dst.connect(src.address))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(connect)
+        assert len(peers) == 5 and all(p is peers[0] for p in peers)
+        assert await dst.connect(src.address) is peers[0]
+        assert peers[0].name == src.name
+        assert dst.live_resources()["remote_agents"] == 1
+        assert src.live_resources()["remote_agents"] == 1
+
+
+@pytest.mark.parametrize(
+    ("src_cache", "dst_cache", "field"),
+    [
+        (numpy_cache(4, 64, 2), numpy_cache(4, 64, 3), "region_count"),
+        (numpy_cache(4, 64, 2), [np.zeros((4, 64), np.uint8), np.zeros((4, 128), np.uint8)],
+         "bytes_per_block[1]"),
+    ],
+    ids=["region-count", "block-size"],
+)
+async def test_geometry_mismatch_is_refused_at_connect(src_cache: list[Any], dst_cache: list[Any],
+                                                       field: str) -> None:
+    async with aionixl.Engine(unique("src"), src_cache) as src, \
+            aionixl.Engine(unique("dst"), dst_cache, listen=None) as dst:
+        assert src.address is not None
+        with pytest.raises(aionixl.IncompatiblePeerError) as info:
+            await dst.connect(src.address, timeout=10)
+        assert info.value.field == field
+        assert isinstance(info.value, aionixl.HandshakeError)
+        assert src.peers == {} and dst.peers == {}
+        assert src.live_resources()["remote_agents"] == 0
+        assert dst.live_resources()["remote_agents"] == 0
+
+
+async def test_compat_keys_must_match() -> None:
+    a = aionixl.EngineConfig(compat={"model": "tiny", "dtype": "bf16"})
+    b = aionixl.EngineConfig(compat={"model": "tiny", "dtype": "fp16"})
+    async with aionixl.Engine(unique("src"), numpy_cache(2, 64, 1), config=a) as src, \
+            aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None, config=b) as dst:
+        assert src.address is not None
+        with pytest.raises(aionixl.IncompatiblePeerError) as info:
+            await dst.connect(src.address)
+        assert info.value.field == "compat[dtype]"
+
+
+async def test_connect_to_a_dead_address_times_out() -> None:
+    address = free_tcp_address()
+    async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
+        start = anyio.current_time()
+        with pytest.raises(aionixl.HandshakeError, match="no handshake answer"):
+            await dst.connect(address, timeout=0.3)
+        assert anyio.current_time() - start < 3
+        assert dst.peers == {} and dst.live_resources()["remote_agents"] == 0
+
+
+async def test_connect_rejects_a_garbage_reply() -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        async with anyio.create_task_group() as tg:
+            async def reply_garbage() -> None:
+                frames = await _zmq.recv_multipart(router)
+                await _zmq.send_multipart(router, [frames[0], b"\xc1 definitely not msgpack"])
+
+            tg.start_soon(reply_garbage)
+            async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
+                with pytest.raises(aionixl.HandshakeError, match="unusable handshake reply"):
+                    await dst.connect(address, timeout=5)
+                assert dst.peers == {}
+    finally:
+        router.close(0)
+        ctx.term()
+
+
+async def test_connect_to_self_is_refused() -> None:
+    async with aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1)) as eng:
+        assert eng.address is not None
+        with pytest.raises(aionixl.HandshakeError, match="refused"):
+            await eng.connect(eng.address)
+
+
+@pytest.mark.parametrize("address", ["", "bogus://x", "tcp://no-port"])
+async def test_connect_bad_address_is_a_value_error(address: str) -> None:
+    async with aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1), listen=None) as eng:
+        with pytest.raises(ValueError):
+            await eng.connect(address, timeout=1)
+
+
+# ---- lifecycle ----------------------------------------------------------------------------
+
+
+async def test_close_releases_everything_and_is_idempotent() -> None:
+    async with engine_pair(numpy_cache(4, 64, 2), numpy_cache(4, 64, 2)) as (src, dst, peer):
+        await dst.transfer_blocks(peer, [0], [1])
+        assert dst.live_resources()["remote_agents"] == 1
+        await dst.aclose()
+        await dst.aclose()
+        assert dst.closed and zero_resources(dst)
+        assert not peer.connected
+        for call in (dst.transfer_blocks(peer, [0], [0]), dst.connect("tcp://127.0.0.1:1"),
+                     dst.send_notification(peer, b"x"), dst.wait_notification(b"x")):
+            with pytest.raises(aionixl.EngineClosedError):
+                await call
+    assert src.closed and zero_resources(src)
+
+
+async def test_concurrent_aclose_from_other_tasks_does_not_cancel_the_owner() -> None:
+    async with aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1)) as eng:
+        waiter_errors: list[BaseException] = []
+
+        async def wait_forever() -> None:
+            try:
+                await eng.wait_notification(b"never")
+            except aionixl.EngineClosedError as exc:
+                waiter_errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_forever)
+            await anyio.sleep(0.02)
+            for _ in range(3):
+                tg.start_soon(eng.aclose)
+        # The owner's body is still running: closing from other tasks did not cancel it.
+        await anyio.sleep(0.01)
+        assert eng.closed and zero_resources(eng)
+        assert len(waiter_errors) == 1
+        with pytest.raises(aionixl.EngineClosedError):
+            await eng.wait_notification(b"x")
+
+
+async def test_pending_connect_gets_engine_closed() -> None:
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    address = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as eng:
+            errors: list[BaseException] = []
+
+            async def connect() -> None:
+                try:
+                    await eng.connect(address, timeout=30)
+                except aionixl.EngineClosedError as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(connect)
+                await anyio.sleep(0.1)
+                with anyio.fail_after(5):
+                    await eng.aclose()
+            assert len(errors) == 1
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+async def test_port_can_be_bound_again_right_after_close() -> None:
+    address = free_tcp_address()
+    async with aionixl.Engine(unique("a"), numpy_cache(2, 64, 1), listen=address) as a:
+        assert a.address == address
+    async with aionixl.Engine(unique("b"), numpy_cache(2, 64, 1), listen=address) as b:
+        assert b.address == address
+    host, port = address.removeprefix("tcp://").split(":")
+    with socket.socket() as s:
+        s.bind((host, int(port)))
+
+
+async def test_bind_failure_raises_from_aenter_and_leaks_nothing() -> None:
+    async with aionixl.Engine(unique("a"), numpy_cache(2, 64, 1)) as a:
+        assert a.address is not None
+        before = task_count()
+        with anyio.fail_after(10):
+            with pytest.raises(aionixl.ListenError):
+                async with aionixl.Engine(unique("b"), numpy_cache(2, 64, 1), listen=a.address):
+                    pytest.fail("entered an engine whose port is taken")
+            with pytest.raises(aionixl.ListenError):
+                async with aionixl.Engine(unique("c"), numpy_cache(2, 64, 1), listen="bogus://x"):
+                    pytest.fail("entered an engine with a bogus endpoint")
+        assert task_count() == before
+
+
+async def test_no_threads_are_started_and_none_are_left() -> None:
+    async with aionixl.Engine(unique("warm"), numpy_cache(2, 64, 1)):
+        pass  # first use loads NIXL plugins; count from here
+    python_threads = set(threading.enumerate())
+    os_tasks = task_count()
+    async with engine_pair(numpy_cache(4, 64, 1), numpy_cache(4, 64, 1)) as (_, eng, peer):
+        await eng.transfer_blocks(peer, [0], [1])
+        assert set(threading.enumerate()) == python_threads
+    assert set(threading.enumerate()) == python_threads
+    assert threading.active_count() == len(python_threads)
+    assert task_count() == os_tasks
+
+
+async def test_body_exception_propagates_unwrapped() -> None:
+    with pytest.raises(KeyError):
+        async with aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1)):
+            raise KeyError("from the body")
+
+
+async def test_background_crash_surfaces_to_the_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1))
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with eng:
+            assert eng._agent is not None
+
+            def broken() -> Any:
+                raise RuntimeError("drainer bug")
+
+            monkeypatch.setattr(eng._agent, "get_notifs", broken)
+            eng._wake_drainer()
+            await anyio.sleep(5)
+            pytest.fail("the owner was not told about the crash")
+    assert info.group_contains(RuntimeError, match="drainer bug")
+    assert eng.closed and zero_resources(eng)
+    with pytest.raises(aionixl.EngineClosedError):
+        await eng.wait_notification(b"x")
+
+
+async def test_engine_cannot_be_entered_twice() -> None:
+    eng = aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1), listen=None)
+    async with eng:
+        pass
+    with pytest.raises(RuntimeError):
+        async with eng:
+            pass
+
+
+async def test_calls_before_entering_raise_engine_closed() -> None:
+    eng = aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1), listen=None)
+    with pytest.raises(aionixl.EngineClosedError, match="not started"):
+        await eng.connect("tcp://127.0.0.1:1")
+    await eng.aclose()

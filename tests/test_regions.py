@@ -1,0 +1,86 @@
+"""Region validation and block-id handling, without NIXL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aionixl._regions import (
+    block_descriptors,
+    block_ids,
+    describe_regions,
+    descriptor_indices,
+    region_offsets,
+    registration_spans,
+)
+
+
+def test_views_of_one_tensor_describe_their_own_blocks() -> None:
+    cache = torch.zeros(2, 5, 4, 8, dtype=torch.float16)
+    k, v = describe_regions([cache[0], cache[1]])
+    assert (k.num_blocks, k.block_bytes, k.stride) == (5, 64, 64)
+    assert v.base == k.base + 5 * 64
+    assert k.mem_type == "DRAM"
+
+
+def test_descriptors_are_region_major_and_point_at_each_block() -> None:
+    a = np.zeros((3, 16), np.uint8)
+    b = np.zeros((6, 32), np.uint8)[::2]  # stride 64, block 32
+    regions = describe_regions([a, b])
+    d = block_descriptors(regions)
+    assert d.shape == (6, 3)
+    assert list(d[:3, 0]) == [a[i].ctypes.data for i in range(3)]
+    assert list(d[3:, 0]) == [b[i].ctypes.data for i in range(3)]
+    assert list(d[:, 1]) == [16, 16, 16, 32, 32, 32]
+    idx = descriptor_indices(region_offsets(2, 3), np.array([2, 0], np.int32))
+    assert list(idx) == [2, 0, 5, 3]
+
+
+def test_registration_spans_merge_views_of_one_allocation() -> None:
+    cache = np.zeros((2, 4, 100), np.uint8)
+    spans = registration_spans(describe_regions([cache[0], cache[1]]))
+    assert spans.tolist() == [[cache.ctypes.data, cache.nbytes, 0]]
+    other = np.zeros((4, 100), np.uint8)
+    spans = registration_spans(describe_regions([cache[0], other]))
+    assert len(spans) == 2
+
+
+BAD_REGIONS: list[tuple[str, Any, str]] = [
+    ("empty list", [], "empty"),
+    ("single tensor", torch.zeros(2, 2), "sequence"),
+    ("not a tensor", [[1, 2, 3]], "expected a torch.Tensor"),
+    ("0-d", [np.zeros(())], "block dimension"),
+    ("no blocks", [np.zeros((0, 4))], "no blocks"),
+    ("empty blocks", [np.zeros((4, 0))], "empty"),
+    ("non-contiguous block", [np.zeros((4, 8, 8))[:, :, 0]], "not contiguous"),
+    ("transposed tensor", [torch.zeros(8, 4).t()], "not contiguous"),
+    ("overlapping blocks", [np.lib.stride_tricks.as_strided(np.zeros(64, np.uint8), (4, 16), (8, 1))],
+     "overlap"),
+    ("backwards", [np.zeros((4, 16), np.uint8)[::-1]], "overlap"),
+    ("read-only", [np.frombuffer(bytes(64), np.uint8).reshape(4, 16)], "read-only"),
+    ("object dtype", [np.empty((2, 2), dtype=object)], "object"),
+    ("block counts differ", [np.zeros((4, 8)), np.zeros((5, 8))], "same number of blocks"),
+    ("meta device", [torch.zeros(4, 4, device="meta")], "not supported"),
+]
+
+
+@pytest.mark.parametrize(("case", "caches", "match"), BAD_REGIONS, ids=[c for c, _, _ in BAD_REGIONS])
+def test_bad_regions_are_refused(case: str, caches: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        describe_regions(caches)
+
+
+def test_block_ids_accept_ints_and_integer_arrays() -> None:
+    assert block_ids([3, 1], 4, "x").tolist() == [3, 1]
+    assert block_ids(np.array([0, 3], np.uint8), 4, "x").dtype == np.int32
+    assert block_ids((np.int64(2),), 4, "x").tolist() == [2]
+
+
+@pytest.mark.parametrize("value", [[4], [-1], [], [1.0], [True], "12", np.array([[1]]),
+                                   np.array([0.5]), 3, None, [None]])
+def test_block_ids_refuse_bad_input(value: Any) -> None:
+    with pytest.raises(ValueError):
+        block_ids(value, 4, "x")
