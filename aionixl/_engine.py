@@ -245,6 +245,7 @@ class Engine:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool | None:
         assert self._tg is not None
+        result: bool | None = None
         try:
             await self.aclose()
         finally:
@@ -254,7 +255,6 @@ class Engine:
             else:
                 # Nothing is left running; let the body's own exception through unwrapped.
                 await self._tg.__aexit__(None, None, None)
-                result = None
         return result
 
     async def aclose(self) -> None:
