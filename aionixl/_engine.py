@@ -15,9 +15,8 @@ import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import anyio
 import anyio.abc
@@ -37,7 +36,7 @@ from ._errors import (
     TransferError,
     TransferTimeoutError,
 )
-from ._nixl import DONE, ERR, PROC, Agent, Status
+from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
 from ._notifications import Mailbox, Notification
 from ._regions import (
     IndexArray,
@@ -47,8 +46,10 @@ from ._regions import (
     check_distinct,
     describe_regions,
     descriptor_indices,
+    has_duplicates,
     region_offsets,
     registration_spans,
+    small_indices,
 )
 
 log = logging.getLogger("aionixl")
@@ -56,8 +57,7 @@ log = logging.getLogger("aionixl")
 Op = Literal["read", "write"]
 
 
-@dataclass(frozen=True, slots=True)
-class TransferResult:
+class TransferResult(NamedTuple):
     """What one ``transfer_blocks`` call moved."""
 
     blocks: int
@@ -73,7 +73,7 @@ class Peer:
     :meth:`Engine.disconnect` or the engine closes; ``connected`` then turns False.
     """
 
-    __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets",
+    __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets", "_offset_list",
                  "_metadata", "_engine", "_connected")
 
     def __init__(self, engine: Engine, name: str, address: str | None,
@@ -84,6 +84,7 @@ class Peer:
         self.num_blocks = regions[0].num_blocks
         self._dlist = dlist
         self._offsets = region_offsets(len(regions), self.num_blocks)
+        self._offset_list: list[int] = self._offsets.ravel().tolist()
         self._metadata = metadata
         self._engine = engine
         self._connected = True
@@ -141,6 +142,7 @@ class Engine:
         self._config = config
         self._num_blocks = self._regions[0].num_blocks
         self._offsets = region_offsets(len(self._regions), self._num_blocks)
+        self._offset_list: list[int] = self._offsets.ravel().tolist()
         self._mem_type = self._regions[0].mem_type
         self._bytes_per_block = sum(r.block_bytes for r in self._regions)
         self._compat = dict(config.compat)
@@ -623,12 +625,46 @@ class Engine:
         defaults to ``EngineConfig.transfer_timeout``; on expiry, or on cancellation, the
         NIXL transfer is aborted and released.
         """
-        self._check_open()
+        if self._state is not _OPEN or self._failure is not None:
+            self._check_open()
+        if type(peer) is not Peer or peer._engine is not self or not peer._connected:
+            self._live_peer(peer)  # raises the right ValueError
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
-        p = self._live_peer(peer)
+        local_idx: Indices | None = small_indices(local_blocks, self._num_blocks, self._offset_list)
+        remote_idx: Indices | None = small_indices(remote_blocks, peer.num_blocks, peer._offset_list)
+        if (local_idx is None or remote_idx is None or len(local_blocks) != len(remote_blocks)
+                or has_duplicates(local_blocks if op == "read" else remote_blocks)):  # type: ignore[arg-type]
+            nblocks, local_idx, remote_idx = self._checked_indices(peer, local_blocks,
+                                                                   remote_blocks, op)
+        else:
+            nblocks = len(local_blocks)
+        if notify is None:
+            message = b""
+        elif isinstance(notify, (bytes, bytearray, memoryview)):
+            message = bytes(notify)
+        else:
+            raise ValueError("notify must be bytes or None")
+        if timeout is None:
+            limit = self._config.transfer_timeout  # validated by EngineConfig
+        else:
+            _check_timeout(timeout, "timeout")
+            limit = timeout
+        agent = self._agent
+        assert agent is not None
+        started = time.perf_counter()
+        assert local_idx is not None and remote_idx is not None
+        handle, status = agent.start_xfer(op, self._local_dlist, local_idx, peer._dlist, remote_idx,
+                                          message, self._config.inline_polls)
+        if status is not DONE or handle != NO_HANDLE:
+            await self._finish_transfer(peer, handle, status, limit)
+        return TransferResult(nblocks, nblocks * self._bytes_per_block, time.perf_counter() - started)
+
+    def _checked_indices(self, peer: Peer, local_blocks: object, remote_blocks: object,
+                         op: Op) -> tuple[int, IndexArray, IndexArray]:
+        """The thorough path: validate with clear errors, build numpy indices."""
         local_ids = block_ids(local_blocks, self._num_blocks, "local_blocks")
-        remote_ids = block_ids(remote_blocks, p.num_blocks, "remote_blocks")
+        remote_ids = block_ids(remote_blocks, peer.num_blocks, "remote_blocks")
         if local_ids.size != remote_ids.size:
             raise ValueError(f"local_blocks has {local_ids.size} ids but remote_blocks has "
                              f"{remote_ids.size}")
@@ -636,40 +672,27 @@ class Engine:
             check_distinct(local_ids, "local_blocks (the destination of a read)")
         else:
             check_distinct(remote_ids, "remote_blocks (the destination of a write)")
-        if notify is None:
-            message = b""
-        elif isinstance(notify, (bytes, bytearray, memoryview)):
-            message = bytes(notify)
-        else:
-            raise ValueError("notify must be bytes or None")
-        limit = self._config.transfer_timeout if timeout is None else timeout
-        _check_timeout(limit, "timeout")
+        return (int(local_ids.size), descriptor_indices(self._offsets, local_ids),
+                descriptor_indices(peer._offsets, remote_ids))
+
+    async def _finish_transfer(self, peer: Peer, handle: int, status: Status, limit: float) -> None:
+        """Wait for a posted transfer through the poller; always release its handle."""
         agent = self._agent
         assert agent is not None
-        started = time.perf_counter()
-        handle = agent.make_xfer(op, self._local_dlist, descriptor_indices(self._offsets, local_ids),
-                                 p._dlist, descriptor_indices(p._offsets, remote_ids), message)
         rec: _InFlight | None = None
         try:
-            status = agent.post(handle)
-            polls = self._config.inline_polls
-            while status == PROC and polls:
-                status = agent.check(handle)
-                polls -= 1
             if status == PROC:
-                rec = _InFlight(p)
+                rec = _InFlight(peer)
                 self._inflight[handle] = rec
                 self._poller_wakeup.set()
                 status = await self._wait_transfer(rec, limit)
             if status != DONE:
-                raise TransferError(f"NIXL reported the transfer to {p.name!r} failed")
+                raise TransferError(f"NIXL reported the transfer to {peer.name!r} failed")
         finally:
             owned = rec is None or self._inflight.pop(handle, None) is not None
             if owned and not agent.release_xfer(handle):
                 self._parked.add(handle)
                 self._poller_wakeup.set()
-        nblocks = int(local_ids.size)
-        return TransferResult(nblocks, nblocks * self._bytes_per_block, time.perf_counter() - started)
 
     async def _wait_transfer(self, rec: _InFlight, limit: float) -> Status:
         try:

@@ -35,6 +35,8 @@ DONE: Literal[0] = 0
 PROC: Literal[1] = 1
 ERR: Literal[2] = 2
 Status = Literal[0, 1, 2]
+NO_HANDLE = -1
+Indices = npt.NDArray[np.int32] | list[int]
 
 _SUCCESS = _bind.NIXL_SUCCESS
 _IN_PROG = _bind.NIXL_IN_PROG
@@ -163,22 +165,37 @@ class Agent:
 
     # ---- transfers (hot path) -----------------------------------------------------------
 
-    def make_xfer(self, op: str, local: int, local_idx: npt.NDArray[np.int32], remote: int,
-                  remote_idx: npt.NDArray[np.int32], notify: bytes) -> int:
+    def start_xfer(self, op: str, local: int, local_idx: Indices, remote: int,
+                   remote_idx: Indices, notify: bytes, polls: int) -> tuple[int, Status]:
+        """Create and post a transfer, checking it ``polls`` more times right away.
+
+        Returns ``(NO_HANDLE, DONE)`` when it finished (the handle is already released),
+        else ``(handle, PROC)`` or ``(handle, ERR)`` with the handle live and accounted.
+        One call for the whole fast path: a short transfer costs one Python frame here.
+        """
+        raw = self._raw
         try:
-            handle: int = self._raw.makeXferReq(_OPS[op], local, local_idx, remote, remote_idx,
-                                                notify, [], False)
+            handle: int = raw.makeXferReq(_OPS[op], local, local_idx, remote, remote_idx,
+                                          notify, [], False)
         except _NIXL_ERRORS as exc:
             raise translate(exc, "transfer", "creating a transfer") from exc
-        self.xfers.add(handle)
-        return handle
-
-    def post(self, handle: int) -> Status:
         try:
-            status = self._raw.postXferReq(handle, b"")
+            status = raw.postXferReq(handle, b"")
+            while status == _IN_PROG and polls:
+                status = raw.getXferStatus(handle)
+                polls -= 1
         except _NIXL_ERRORS as exc:
+            self.xfers.add(handle)
             raise translate(exc, "transfer", "posting a transfer") from exc
-        return DONE if status == _SUCCESS else PROC if status == _IN_PROG else ERR
+        if status == _SUCCESS:
+            try:
+                raw.releaseXferReq(handle)
+            except _NIXL_ERRORS:
+                self.xfers.add(handle)
+                return handle, DONE
+            return NO_HANDLE, DONE
+        self.xfers.add(handle)
+        return handle, PROC if status == _IN_PROG else ERR
 
     def check(self, handle: int) -> Status:
         """Progress NIXL and report the state; raises the mapped error on failure."""
@@ -190,7 +207,7 @@ class Agent:
 
     def release_xfer(self, handle: int) -> bool:
         """Release (cancelling if still active). False when NIXL refuses for now."""
-        if handle not in self.xfers:
+        if handle == NO_HANDLE or handle not in self.xfers:
             return True
         try:
             self._raw.releaseXferReq(handle)

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 IndexArray = npt.NDArray[np.int32]
 _INT32_MAX = 2**31 - 1
+_SMALL = 64  # lists up to this long are checked in plain Python
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,28 @@ def registration_spans(regions: Sequence[Region]) -> npt.NDArray[np.uint64]:
         else:
             merged.append([device, start, end])
     return np.array([[s, e - s, d] for d, s, e in merged], dtype=np.uint64)
+
+
+def small_indices(value: object, num_blocks: int, offsets: list[int]) -> list[int] | None:
+    """Descriptor indices for a short list of valid plain-int block ids; None otherwise.
+
+    The hot path for the common case: no numpy at all. Anything unusual (arrays, long
+    lists, bad ids) returns None and goes through :func:`block_ids`, which also explains
+    what is wrong.
+    """
+    if (type(value) is not list and type(value) is not tuple) or not 0 < len(value) <= _SMALL:
+        return None
+    for v in value:
+        if type(v) is not int or v < 0 or v >= num_blocks:
+            return None
+    if len(value) == 1:
+        b = value[0]
+        return [o + b for o in offsets]
+    return [o + b for o in offsets for b in value]
+
+
+def has_duplicates(value: Sequence[int]) -> bool:
+    return len(value) > 1 and len(set(value)) != len(value)
 
 
 def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:

@@ -226,8 +226,8 @@ async def test_bad_transfer_arguments(case: str, kwargs: dict[str, Any],
         made: list[Any] = []
         agent = eng._agent
         assert agent is not None
-        real = agent.make_xfer
-        monkeypatch.setattr(agent, "make_xfer", lambda *a: made.append(a) or real(*a))
+        real = agent.start_xfer
+        monkeypatch.setattr(agent, "start_xfer", lambda *a: made.append(a) or real(*a))
         with pytest.raises(ValueError):
             await eng.transfer_blocks(peer, **kwargs)
         assert made == []
