@@ -34,8 +34,8 @@ class EngineConfig:
     max_pending_notifications: int = 4096
     #: Largest handshake message accepted or sent.
     max_handshake_bytes: int = 16 * 1024 * 1024
-    idle_poll_interval: float = 0.05
-    notification_poll_interval: float = 0.001
+    idle_poll_interval: float = 0.1
+    notification_poll_interval: float = 0.002
     #: ``check_xfer_state`` calls made inline right after a post, before handing the
     #: transfer to the poller task. Saves a trip through the event loop for short transfers.
     inline_polls: int = 4

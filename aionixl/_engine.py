@@ -517,6 +517,7 @@ class Engine:
         self._peers[name] = peer
         if address is not None:
             self._peers_by_address[address] = peer
+        self._wake_drainer()
         return peer
 
     def _drop_peer(self, peer: Peer, problems: list[str] | None) -> None:
@@ -740,7 +741,8 @@ class Engine:
 
         Cadence: every loop turn while transfers are in flight or notifications arrive,
         then backing off (doubling) to ``notification_poll_interval`` while someone waits,
-        or to ``idle_poll_interval`` when nobody does. Any activity resets it.
+        or to ``idle_poll_interval`` when nobody does; with no peers and no waiters it
+        sleeps until woken. Any activity (a transfer, a handshake, a new waiter) resets it.
         """
         agent = self._agent
         assert agent is not None
@@ -759,6 +761,8 @@ class Engine:
                     mailbox.deliver(Notification(peer_name, message))
             if notifs or self._inflight:
                 interval = 0.0
+            elif not self._peers and not mailbox.waiting:
+                interval = math.inf  # nobody to hear from: sleep until something happens
             else:
                 cap = busy_cap if mailbox.waiting else idle_cap
                 interval = min(cap, max(interval * 2.0, 20e-6))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import socket
-import threading
+import subprocess
+import sys
 from typing import Any
 
 import anyio
@@ -17,7 +19,7 @@ import aionixl
 from aionixl import _zmq
 from aionixl._engine import Engine
 
-from .conftest import engine_pair, numpy_cache, task_count, unique
+from .conftest import HERE, engine_pair, numpy_cache, task_count, unique
 
 pytestmark = pytest.mark.anyio
 
@@ -454,17 +456,16 @@ async def test_bind_failure_raises_from_aenter_and_leaks_nothing() -> None:
         assert task_count() == before
 
 
-async def test_no_threads_are_started_and_none_are_left() -> None:
-    async with aionixl.Engine(unique("warm"), numpy_cache(2, 64, 1)):
-        pass  # first use loads NIXL plugins; count from here
-    python_threads = set(threading.enumerate())
-    os_tasks = task_count()
-    async with engine_pair(numpy_cache(4, 64, 1), numpy_cache(4, 64, 1)) as (_, eng, peer):
-        await eng.transfer_blocks(peer, [0], [1])
-        assert set(threading.enumerate()) == python_threads
-    assert set(threading.enumerate()) == python_threads
-    assert threading.active_count() == len(python_threads)
-    assert task_count() == os_tasks
+async def test_no_threads_are_started_and_none_are_left(anyio_backend: str) -> None:
+    # In a fresh interpreter: the test runner itself may keep worker threads around.
+    script = HERE / "thread_check.py"
+    out = subprocess.run([sys.executable, str(script), anyio_backend], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["python_threads_during"] == report["python_threads_before"]
+    assert report["python_threads_after"] == report["python_threads_before"]
+    assert report["os_tasks_after"] == report["os_tasks_before"]
+    assert report["os_tasks_during"] >= report["os_tasks_before"]  # NIXL/zmq internals, released
 
 
 async def test_body_exception_propagates_unwrapped() -> None:
