@@ -42,26 +42,23 @@ class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
                       self.device)
 
 
-class Hello(msgspec.Struct, frozen=True, tag="hello"):
+class _EngineInfo(msgspec.Struct, frozen=True):
+    """What each side tells the other about itself."""
+
+    version: int
+    name: str
+    agent_metadata: bytes
+    regions: list[RegionInfo]
+    compat: dict[str, str]
+    compat_hash: str
+
+
+class Hello(_EngineInfo, frozen=True, tag="hello"):
     """Sent by the connecting engine."""
 
-    version: int
-    name: str
-    agent_metadata: bytes
-    regions: list[RegionInfo]
-    compat: dict[str, str]
-    compat_hash: str
 
-
-class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
+class Welcome(_EngineInfo, frozen=True, tag="welcome"):
     """The listener accepted: here is how to reach its memory."""
-
-    version: int
-    name: str
-    agent_metadata: bytes
-    regions: list[RegionInfo]
-    compat: dict[str, str]
-    compat_hash: str
 
 
 class Reject(msgspec.Struct, frozen=True, tag="reject"):

@@ -1,4 +1,4 @@
-"""pyzmq driven from anyio, without zmq.asyncio, threads or receive timeouts.
+"""pyzmq driven from anyio, without pyzmq's asyncio layer, threads or receive timeouts.
 
 A zmq socket exposes one edge-triggered FD that only says "look at EVENTS now". The rule:
 try the non-blocking operation first; when it would block, read ``EVENTS`` (which also

@@ -51,6 +51,10 @@ async def engine_pair(src_cache: list[Any], dst_cache: list[Any],
         yield src, dst, peer
 
 
+def zero_resources(engine: aionixl.Engine) -> bool:
+    return all(v == 0 for v in engine.live_resources().values())
+
+
 def task_count() -> int:
     return len(os.listdir("/proc/self/task"))
 

@@ -18,15 +18,11 @@ import pytest
 
 import aionixl
 
-from .conftest import PeerProcess, numpy_cache, unique
+from .conftest import PeerProcess, numpy_cache, unique, zero_resources
 
 pytestmark = pytest.mark.anyio
 
 BLOCKS, BLOCK_BYTES, REGIONS = 32, 8192, 2
-
-
-def zero_resources(engine: aionixl.Engine) -> bool:
-    return all(v == 0 for v in engine.live_resources().values())
 
 
 async def test_read_and_write_across_processes(peer_process_factory: Any) -> None:

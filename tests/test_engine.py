@@ -17,15 +17,10 @@ import zmq
 
 import aionixl
 from aionixl import _zmq
-from aionixl._engine import Engine
 
-from .conftest import HERE, engine_pair, numpy_cache, task_count, unique
+from .conftest import HERE, engine_pair, numpy_cache, task_count, unique, zero_resources
 
 pytestmark = pytest.mark.anyio
-
-
-def zero_resources(engine: Engine) -> bool:
-    return all(v == 0 for v in engine.live_resources().values())
 
 
 def free_tcp_address() -> str:
