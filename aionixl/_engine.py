@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any, Literal, NamedTuple
@@ -414,7 +415,7 @@ class Engine:
             raise ValueError("address must be a zmq endpoint string")
         _check_timeout(timeout, "timeout")
         try:
-            with anyio.fail_after(timeout) if math.isfinite(timeout) else _no_deadline():
+            with _deadline(timeout):
                 while True:
                     peer = self._peers_by_address.get(address)
                     if peer is not None and peer.connected:
@@ -697,7 +698,7 @@ class Engine:
 
     async def _wait_transfer(self, rec: _InFlight, limit: float) -> Status:
         try:
-            with anyio.fail_after(limit) if math.isfinite(limit) else _no_deadline():
+            with _deadline(limit):
                 await rec.event.wait()
         except TimeoutError:
             if rec.status != DONE:
@@ -808,8 +809,7 @@ class Engine:
         self._wake_drainer()
         try:
             with self._operation():
-                limit = math.inf if timeout is None else timeout
-                with anyio.fail_after(limit) if math.isfinite(limit) else _no_deadline():
+                with anyio.fail_after(timeout):
                     await waiter.event.wait()
         except BaseException as exc:
             self._mailbox.remove_waiter(waiter)
@@ -842,9 +842,9 @@ def _same_kind(error: BaseException, message: str) -> Exception:
     return HandshakeError(message)
 
 
-@contextmanager
-def _no_deadline() -> Iterator[None]:
-    yield
+def _deadline(seconds: float) -> ContextManager[anyio.CancelScope]:
+    """``fail_after`` for a validated positive limit, where ``math.inf`` means none."""
+    return anyio.fail_after(seconds if math.isfinite(seconds) else None)
 
 
 def _check_timeout(value: object, what: str) -> None:
