@@ -185,7 +185,9 @@ class Agent:
                 status = raw.getXferStatus(handle)
                 polls -= 1
         except _NIXL_ERRORS as exc:
+            # A post that fails (say, the peer is gone) still leaves a request to release.
             self.xfers.add(handle)
+            self.release_xfer(handle)
             raise translate(exc, "transfer", "posting a transfer") from exc
         if status == _SUCCESS:
             try:
