@@ -30,10 +30,21 @@ class EngineConfig:
     transfer_timeout: float = 60.0
     #: How long ``aclose()`` may spend releasing NIXL resources before it reports leaks.
     close_timeout: float = 5.0
+    #: How long ``aclose()`` lets this engine's transfers under way finish (their callers
+    #: already got ``EngineClosedError``) before it cancels them; within ``close_timeout``.
+    close_grace: float = 0.5
     #: Notifications kept for nobody-waiting-yet; past it the oldest one is dropped.
     max_pending_notifications: int = 4096
     #: Largest handshake message accepted or sent.
     max_handshake_bytes: int = 16 * 1024 * 1024
+    #: Extra handshake attempts ``connect()`` makes after one fails (no answer within
+    #: ``connect_attempt_timeout``, a NIXL connection error, a peer that is busy or
+    #: draining), all within the call's ``timeout``; the pause between attempts starts at
+    #: ``connect_backoff`` and doubles up to 1 s. Refusals that cannot change
+    #: (incompatible, wrong version, not aionixl) are never retried.
+    connect_retries: int = 0
+    connect_backoff: float = 0.05
+    connect_attempt_timeout: float = 2.0
     idle_poll_interval: float = 0.1
     notification_poll_interval: float = 0.002
     #: ``check_xfer_state`` calls made inline right after a post, before handing the
@@ -51,8 +62,11 @@ class EngineConfig:
         positive: dict[str, float] = {
             "transfer_timeout": self.transfer_timeout,
             "close_timeout": self.close_timeout,
+            "close_grace": self.close_grace,
             "idle_poll_interval": self.idle_poll_interval,
             "notification_poll_interval": self.notification_poll_interval,
+            "connect_backoff": self.connect_backoff,
+            "connect_attempt_timeout": self.connect_attempt_timeout,
         }
         for name, value in positive.items():
             if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
@@ -66,5 +80,8 @@ class EngineConfig:
         for name, value in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.connect_retries, int) or isinstance(self.connect_retries, bool) \
+                or self.connect_retries < 0:
+            raise ValueError(f"connect_retries must be an int >= 0, got {self.connect_retries!r}")
         if not isinstance(self.inline_polls, int) or self.inline_polls < 0:
             raise ValueError(f"inline_polls must be an int >= 0, got {self.inline_polls!r}")

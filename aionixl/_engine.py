@@ -39,6 +39,7 @@ from ._errors import (
 )
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
 from ._notifications import Mailbox, Notification
+from ._ratelimit import RateLimitedLog
 from ._regions import (
     IndexArray,
     Region,
@@ -71,11 +72,13 @@ class Peer:
 
     Returned by :meth:`Engine.connect`; peers that connected to us appear in
     :attr:`Engine.peers` too (with ``address`` None). A peer object stays valid until
-    :meth:`Engine.disconnect` or the engine closes; ``connected`` then turns False.
+    :meth:`Engine.disconnect` or the engine closes; ``connected`` then turns False. A peer
+    whose transfers fail (it died, the link broke) is evicted the same way: its transfers
+    then raise ``PeerDisconnectedError`` until ``connect()`` makes a new one.
     """
 
     __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets", "_offset_list",
-                 "_metadata", "_engine", "_connected")
+                 "_metadata", "_engine", "_connected", "_lost")
 
     def __init__(self, engine: Engine, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes) -> None:
@@ -89,6 +92,7 @@ class Peer:
         self._metadata = metadata
         self._engine = engine
         self._connected = True
+        self._lost: BaseException | None = None  # why it was evicted, if it was
 
     @property
     def connected(self) -> bool:
@@ -116,7 +120,18 @@ class _InFlight:
         self.event.set()
 
 
-_NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
+#: Longest stretch transfer_blocks may finish transfers inline before it yields to the loop.
+_FAIR_SHARE = 0.0005
+
+_NEW, _OPEN, _DRAINING, _CLOSING, _CLOSED = "new", "open", "draining", "closing", "closed"
+
+
+class _RefusedError(HandshakeError):
+    """The peer refused us for a reason another attempt will not change."""
+
+
+#: Reject codes that a later attempt may not get: the peer is busy or shutting down.
+_RETRYABLE_REJECTS = frozenset({"internal", "draining"})
 
 
 class Engine:
@@ -176,6 +191,10 @@ class Engine:
         self._mailbox = Mailbox(config.max_pending_notifications)
         self._final_resources: dict[str, int] = {}
         self._leaked_on_close = 0
+        #: Warnings that peers can trigger at will (bad handshakes, failures) go through here.
+        self._noisy = RateLimitedLog(log)
+        self._handshakes_accepted = self._handshakes_rejected = self._peers_evicted = 0
+        self._last_yield = 0.0  # perf_counter() when transfer_blocks last went through the loop
         #: Benchmarks set a list here to collect, per transfer finished by the poller, the
         #: nanoseconds from the poller seeing its final state to the caller running again.
         self._wake_trace: list[int] | None = None
@@ -227,6 +246,9 @@ class Engine:
             "notifications_dropped": self._mailbox.dropped,
             "notification_waiters": self._mailbox.waiting,
             "leaked_on_close": self._leaked_on_close,
+            "handshakes_accepted": self._handshakes_accepted,
+            "handshakes_rejected": self._handshakes_rejected,
+            "peers_evicted": self._peers_evicted,
         }
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -265,12 +287,16 @@ class Engine:
                 await self._tg.__aexit__(None, None, None)
         return result
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain_timeout: float | None = None) -> None:
         """Close the engine: idempotent, safe from any task and from several at once.
 
-        Waiting callers get ``EngineClosedError``; every NIXL resource is released (bounded
-        by ``close_timeout``; what could not be released is logged and counted).
+        With ``drain_timeout``, first :meth:`drain` for at most that long. Then waiting
+        callers get ``EngineClosedError`` and every NIXL resource is released (bounded by
+        ``close_timeout``; what could not be released is logged and counted).
         """
+        if drain_timeout is not None and self._state in (_OPEN, _DRAINING) and self._failure is None:
+            with suppress(EngineClosedError):
+                await self.drain(drain_timeout)
         if self._state == _NEW:
             self._state = _CLOSED
             self._close_done.set()
@@ -281,6 +307,41 @@ class Engine:
         self._state = _CLOSING
         with anyio.CancelScope(shield=True):
             await self._close()
+
+    async def drain(self, timeout: float, expect: Sequence[bytes] = ()) -> bool:
+        """Stop taking new work, then wait until the work already under way is done.
+
+        From the first call on, ``transfer_blocks`` and ``connect`` raise
+        ``EngineClosedError`` and the listener turns new peers away ("draining"), while
+        notifications keep flowing. Then it waits, at most ``timeout`` seconds, until this
+        engine's own transfers have finished, every pending ``wait_notification`` call has
+        been answered, and a notification equal to each message in ``expect`` has arrived
+        (those are consumed here): how a prefill engine waits out the decoders still
+        reading from it. Returns True when all of that happened in time, False (and logs
+        what was left) otherwise. The engine stays draining until :meth:`aclose`.
+        """
+        self._check_open(draining_ok=True)
+        _check_timeout(timeout, "timeout")
+        if isinstance(expect, (bytes, bytearray, memoryview)) or \
+                not all(isinstance(m, (bytes, bytearray, memoryview)) for m in expect):
+            raise ValueError("expect must be a sequence of bytes messages")
+        expected = [bytes(m) for m in expect]
+        self._state = _DRAINING
+        self._wake_drainer()
+
+        def settled() -> bool:
+            expected[:] = [m for m in expected if self._mailbox.take(m, None) is None]
+            return not self._inflight and not self._mailbox.waiting and not expected
+
+        with self._operation(), anyio.move_on_after(timeout if math.isfinite(timeout) else None):
+            while not settled():
+                await anyio.sleep(self._config.notification_poll_interval)
+        if settled():
+            return True
+        log.warning("engine %r drain timed out after %s s: %d transfer(s) in flight, %d "
+                    "notification waiter(s), %d expected notification(s) not seen", self._name,
+                    timeout, len(self._inflight), self._mailbox.waiting, len(expected))
+        return False
 
     def _open_nixl(self) -> None:
         cfg = self._config
@@ -299,7 +360,7 @@ class Engine:
                     tg.start_soon(self._drain_notifications)
                     task_status.started()
         except BaseException as exc:
-            if self._state == _OPEN and not isinstance(exc, anyio.get_cancelled_exc_class()):
+            if self._state in (_OPEN, _DRAINING) and not isinstance(exc, anyio.get_cancelled_exc_class()):
                 self._failure = exc  # refuse new calls; the owner's exit closes the engine
             raise
         finally:
@@ -335,9 +396,17 @@ class Engine:
     async def _release_nixl(self, handles: list[int], deadline: float) -> None:
         agent = self._agent
         assert agent is not None
-        pending = set(handles) | self._parked
+        pending = set(handles) | self._parked | set(agent.xfers)
         self._parked = set()
-        cancelled_any = bool(pending)
+        # Let transfers under way finish first (bounded by close_grace): cancelling a UCX
+        # transfer that is moving data leaves requests UCX complains about at teardown.
+        grace_end = min(deadline, anyio.current_time() + self._config.close_grace)
+        moving = set(pending)
+        while moving and anyio.current_time() < grace_end:
+            moving = {h for h in moving if self._still_moving(agent, h)}
+            if moving:
+                await anyio.sleep(0.001)
+        cancelled_any = bool(moving)
         while True:
             pending = {h for h in pending if not agent.release_xfer(h)}
             if not pending or anyio.current_time() >= deadline:
@@ -371,6 +440,13 @@ class Engine:
         self._agent = None
 
     @staticmethod
+    def _still_moving(agent: Agent, handle: int) -> bool:
+        try:
+            return agent.check(handle) == PROC
+        except AionixlError:
+            return False
+
+    @staticmethod
     def _progress_quietly(agent: Agent) -> None:
         with suppress(AionixlError):
             agent.get_notifs()
@@ -382,14 +458,16 @@ class Engine:
         except AionixlError as exc:
             problems.append(str(exc))
 
-    def _check_open(self) -> None:
-        if self._state == _OPEN and self._failure is None:
+    def _check_open(self, *, draining_ok: bool = False) -> None:
+        if self._failure is None and (self._state == _OPEN or (draining_ok and self._state == _DRAINING)):
             return
         if self._failure is not None:
             raise EngineClosedError(f"engine {self._name!r} stopped after an internal error") \
                 from self._failure
         if self._state == _NEW:
             raise EngineClosedError("engine not started: use 'async with Engine(...)'")
+        if self._state == _DRAINING:
+            raise EngineClosedError(f"engine {self._name!r} is draining: it takes no new work")
         raise EngineClosedError(f"engine {self._name!r} is closed")
 
     @contextmanager
@@ -419,11 +497,13 @@ class Engine:
         if not isinstance(address, str) or not address:
             raise ValueError("address must be a zmq endpoint string")
         _check_timeout(timeout, "timeout")
+        failed_attempts: list[BaseException] = []
         try:
             with _deadline(timeout):
                 while True:
                     peer = self._peers_by_address.get(address)
                     if peer is not None and peer.connected:
+                        await anyio.lowlevel.checkpoint()
                         return peer
                     pending = self._connecting.get(address)
                     if pending is None:
@@ -438,7 +518,7 @@ class Engine:
                 self._connecting[address] = done
                 self._connect_errors.pop(address, None)
                 try:
-                    return await self._handshake(address)
+                    return await self._handshake_with_retries(address, failed_attempts)
                 except Exception as exc:
                     self._connect_errors[address] = exc
                     raise
@@ -446,8 +526,48 @@ class Engine:
                     del self._connecting[address]
                     done.set()
         except TimeoutError:
+            if failed_attempts:
+                last = failed_attempts[-1]
+                raise HandshakeError(f"no usable handshake with {address} within {timeout} s after "
+                                     f"{len(failed_attempts)} failed attempt(s); last: {last}") from last
             raise HandshakeError(
                 f"no handshake answer from {address} within {timeout} s") from None
+
+    async def _handshake_with_retries(self, address: str, failed: list[BaseException]) -> Peer:
+        """Up to ``1 + connect_retries`` handshakes, pausing with doubling backoff between.
+
+        The caller's deadline bounds them all. Without retries the one attempt may use the
+        whole deadline; with retries an unanswered attempt is abandoned after
+        ``connect_attempt_timeout`` so that the next one can go out on a fresh socket (a
+        peer that restarted mid-handshake never answers the first).
+        """
+        retries = self._config.connect_retries
+        pause = self._config.connect_backoff
+        for attempt in range(retries + 1):
+            last = attempt == retries
+            try:
+                if last:
+                    return await self._handshake(address)
+                with anyio.fail_after(self._config.connect_attempt_timeout):
+                    return await self._handshake(address)
+            except TimeoutError as exc:
+                if last:
+                    raise
+                failed.append(HandshakeError(f"no answer within {self._config.connect_attempt_timeout} s"))
+                failed[-1].__cause__ = exc
+                self._noisy.log(logging.INFO, "connect-retry", "no handshake answer from %s yet; retrying",
+                          address)
+            except (_RefusedError, IncompatiblePeerError, ValueError, EngineClosedError):
+                raise
+            except AionixlError as exc:
+                if last:
+                    raise
+                failed.append(exc)
+                self._noisy.log(logging.INFO, "connect-retry", "handshake with %s failed (%s); retrying",
+                          address, exc)
+            await anyio.sleep(pause)
+            pause = min(pause * 2.0, 1.0)
+        raise AssertionError("unreachable")
 
     async def _handshake(self, address: str) -> Peer:
         agent, ctx = self._agent, self._zctx
@@ -475,13 +595,14 @@ class Engine:
                 raise proto.ProtocolError(f"expected 1 frame, got {len(frames)}")
             reply = proto.decode_reply(frames[0], limit)
         except proto.ProtocolError as exc:
-            raise HandshakeError(f"unusable handshake reply from {address}: {exc}") from exc
+            raise _RefusedError(f"unusable handshake reply from {address}: {exc}") from exc
         if isinstance(reply, proto.Reject):
             if reply.code == "incompatible":
                 raise IncompatiblePeerError(f"{address} refused us: {reply.reason}", field=reply.field)
-            raise HandshakeError(f"{address} refused the handshake ({reply.code}): {reply.reason}")
+            kind = HandshakeError if reply.code in _RETRYABLE_REJECTS else _RefusedError
+            raise kind(f"{address} refused the handshake ({reply.code}): {reply.reason}")
         if reply.name == self._name:
-            raise HandshakeError(f"{address} is this engine ({self._name!r}) itself")
+            raise _RefusedError(f"{address} is this engine ({self._name!r}) itself")
         try:
             proto.check_compatible(self._regions, self._compat, reply.regions, reply.compat)
             proto.check_hash(self._compat_hash, reply.compat_hash)
@@ -526,7 +647,19 @@ class Engine:
         self._wake_drainer()
         return peer
 
-    def _drop_peer(self, peer: Peer, problems: list[str] | None) -> None:
+    def _evict(self, peer: Peer, cause: BaseException) -> PeerDisconnectedError:
+        """Forget a peer NIXL reported failing; returns the error its callers get."""
+        error = PeerDisconnectedError(f"peer {peer.name!r} is unreachable and was evicted: {cause}")
+        error.__cause__ = cause
+        if peer._connected:
+            self._noisy.log(logging.WARNING, "evict", "evicting peer %r: %s", peer.name, cause)
+            peer._lost = cause
+            self._peers_evicted += 1
+            self._drop_peer(peer, None, error)
+        return error
+
+    def _drop_peer(self, peer: Peer, problems: list[str] | None,
+                   error: AionixlError | None = None) -> None:
         """Fail the peer's transfers, release its descriptors, disconnect in NIXL."""
         peer._connected = False
         if self._peers.get(peer.name) is peer:
@@ -536,7 +669,7 @@ class Engine:
         agent = self._agent
         if agent is None:
             return
-        gone = PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
+        gone = error or PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
         for handle, rec in list(self._inflight.items()):
             if rec.peer is peer:
                 del self._inflight[handle]
@@ -547,11 +680,11 @@ class Engine:
         self._attempt(agent.release_dlist, peer._dlist, sink)
         self._attempt(agent.remove_remote, peer.name, sink)
         if problems is None and sink:
-            log.warning("dropping peer %r: %s", peer.name, "; ".join(sink))
+            self._noisy.log(logging.WARNING, "drop", "dropping peer %r: %s", peer.name, "; ".join(sink))
 
     async def disconnect(self, peer: Peer) -> None:
         """Forget ``peer``: its transfers in flight fail, its NIXL state is released."""
-        self._check_open()
+        self._check_open(draining_ok=True)
         self._own_peer(peer)
         if peer.connected:
             self._drop_peer(peer, None)
@@ -564,6 +697,9 @@ class Engine:
 
     def _live_peer(self, peer: object) -> Peer:
         p = self._own_peer(peer)
+        if p._lost is not None:
+            raise PeerDisconnectedError(f"peer {p.name!r} was evicted after a failure ({p._lost}); "
+                                        "connect() to it again") from p._lost
         if not p.connected:
             raise ValueError(f"unknown peer {p.name!r}: it was disconnected")
         return p
@@ -585,6 +721,10 @@ class Engine:
             while True:
                 frames = await _zmq.recv_multipart(sock)
                 reply = self._serve(frames)
+                if isinstance(reply, proto.Reject):
+                    self._handshakes_rejected += 1
+                else:
+                    self._handshakes_accepted += 1
                 if not _zmq.try_send_multipart(sock, [frames[0], proto.encode(reply)]):
                     log.debug("handshake reply dropped: the client is gone or not reading")
                 self._wake_drainer()
@@ -599,19 +739,21 @@ class Engine:
             if len(frames) != 2:
                 raise proto.ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
             hello = proto.decode_hello(frames[1], self._config.max_handshake_bytes)
+            if self._state != _OPEN:
+                return proto.Reject(version, "draining", f"engine {self._name!r} takes no new peers")
             if hello.name == self._name:
                 return proto.Reject(version, "self", f"{hello.name!r} is this engine's own name")
             proto.check_compatible(self._regions, self._compat, hello.regions, hello.compat)
             proto.check_hash(self._compat_hash, hello.compat_hash)
             self._admit(hello.name, hello.agent_metadata, hello.regions, None)
         except proto.ProtocolError as exc:
-            log.warning("rejected a handshake: %s", exc)
+            self._noisy.log(logging.WARNING, "bad-hello", "rejected a handshake: %s", exc)
             return proto.Reject(version, exc.code, str(exc))
         except proto.Incompatible as exc:
-            log.warning("rejected an incompatible peer: %s", exc)
+            self._noisy.log(logging.WARNING, "incompatible", "rejected an incompatible peer: %s", exc)
             return proto.Reject(version, "incompatible", str(exc), exc.field)
         except Exception as exc:
-            log.warning("handshake failed on our side: %r", exc)
+            self._noisy.log(logging.WARNING, "admit", "handshake failed on our side: %r", exc)
             return proto.Reject(version, "internal", str(exc))
         assert self._agent is not None
         return proto.Welcome(version, self._name, self._agent.metadata(),
@@ -661,10 +803,22 @@ class Engine:
         assert agent is not None
         started = time.perf_counter()
         assert local_idx is not None and remote_idx is not None
-        handle, status = agent.start_xfer(op, self._local_dlist, local_idx, peer._dlist, remote_idx,
-                                          message, self._config.inline_polls)
+        try:
+            handle, status = agent.start_xfer(op, self._local_dlist, local_idx, peer._dlist,
+                                              remote_idx, message, self._config.inline_polls)
+        except TransferError as exc:
+            raise self._evict(peer, exc) from exc
         if status is not DONE or handle != NO_HANDLE:
             await self._finish_transfer(peer, handle, status, limit)
+            self._last_yield = time.perf_counter()
+        else:
+            # Finished inline, without a trip through the event loop. A caller looping on
+            # short transfers must still let other tasks run (and be cancellable): yield
+            # once the engine has gone _FAIR_SHARE seconds without doing so.
+            now = time.perf_counter()
+            if now - self._last_yield > _FAIR_SHARE:
+                self._last_yield = now
+                await anyio.lowlevel.checkpoint()
         return TransferResult(nblocks, nblocks * self._bytes_per_block, time.perf_counter() - started)
 
     def _checked_indices(self, peer: Peer, local_blocks: object, remote_blocks: object,
@@ -696,7 +850,7 @@ class Engine:
                 if self._wake_trace is not None:
                     self._wake_trace.append(time.perf_counter_ns() - rec.finished_ns)
             if status != DONE:
-                raise TransferError(f"NIXL reported the transfer to {peer.name!r} failed")
+                raise self._evict(peer, TransferError("NIXL reported the transfer failed (ERR)"))
         finally:
             owned = rec is None or self._inflight.pop(handle, None) is not None
             if owned and not agent.release_xfer(handle):
@@ -713,7 +867,8 @@ class Engine:
                     f"transfer to {rec.peer.name!r} did not finish within {limit} s; "
                     "it was aborted") from None
         if rec.error is not None:
-            raise rec.error
+            # A fresh error per caller: several callers may share one failure.
+            raise type(rec.error)(str(rec.error)) from rec.error.__cause__
         return rec.status
 
     async def _poll_transfers(self) -> None:
@@ -731,9 +886,11 @@ class Engine:
                 try:
                     status = agent.check(handle)
                 except TransferError as exc:
-                    rec.finish(ERR, exc)
+                    self._evict(rec.peer, exc)  # fails every transfer to that peer
                     continue
-                if status != PROC:
+                if status == ERR:
+                    self._evict(rec.peer, TransferError("NIXL reported the transfer failed (ERR)"))
+                elif status != PROC:
                     rec.finish(status)
             if self._parked:
                 self._parked = {h for h in self._parked if not agent.release_xfer(h)}
@@ -762,7 +919,7 @@ class Engine:
             try:
                 notifs = agent.get_notifs()
             except AionixlError as exc:
-                log.warning("reading notifications failed: %s", exc)
+                self._noisy.log(logging.WARNING, "notifs", "reading notifications failed: %s", exc)
                 notifs = {}
             for peer_name, messages in notifs.items():
                 for message in messages:
@@ -785,12 +942,15 @@ class Engine:
 
     async def send_notification(self, peer: Peer, message: bytes) -> None:
         """Send ``message`` to ``peer`` on its own, not tied to a transfer."""
-        self._check_open()
+        self._check_open(draining_ok=True)
         p = self._live_peer(peer)
         if not isinstance(message, (bytes, bytearray, memoryview)):
             raise ValueError("message must be bytes")
         assert self._agent is not None
-        self._agent.send_notif(p.name, bytes(message))
+        try:
+            self._agent.send_notif(p.name, bytes(message))
+        except PeerDisconnectedError as exc:
+            raise self._evict(p, exc) from exc
         self._wake_drainer()
         await anyio.lowlevel.checkpoint()
 
@@ -802,7 +962,7 @@ class Engine:
         notification satisfies exactly one waiter. Raises ``TimeoutError`` after
         ``timeout`` seconds (None waits until the engine closes).
         """
-        self._check_open()
+        self._check_open(draining_ok=True)
         if not isinstance(message, (bytes, bytearray, memoryview)):
             raise ValueError("message must be bytes")
         message = bytes(message)
@@ -826,7 +986,7 @@ class Engine:
                 self._mailbox.redeliver(waiter.result)  # cancelled: the next waiter gets it
             raise
         if waiter.result is None:
-            self._check_open()
+            self._check_open(draining_ok=True)
             raise EngineClosedError(f"engine {self._name!r} closed")
         return waiter.result
 

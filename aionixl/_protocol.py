@@ -19,7 +19,9 @@ from ._regions import Region
 
 PROTOCOL_VERSION = 1
 
-RejectCode = Literal["incompatible", "version", "bad-request", "self", "internal"]
+#: The codes this version sends. ``Reject.code`` decodes as any string, so that a newer
+#: peer's new codes reach older clients as plain refusals instead of decode errors.
+RejectCode = Literal["incompatible", "version", "bad-request", "self", "internal", "draining"]
 
 
 class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -65,7 +67,7 @@ class Reject(msgspec.Struct, frozen=True, tag="reject"):
     """The listener refused, and says why."""
 
     version: int
-    code: RejectCode
+    code: str
     reason: str
     field: str | None = None
 

@@ -63,11 +63,12 @@ class PeerProcess:
     """An aionixl engine in a child process, filled with seeded random blocks."""
 
     def __init__(self, *, seed: int, num_blocks: int, block_bytes: int, regions: int,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, name: str | None = None,
+                 listen: str = "tcp://127.0.0.1:0") -> None:
         self.seed, self.num_blocks, self.block_bytes, self.regions = seed, num_blocks, block_bytes, regions
-        args = [sys.executable, str(HERE / "peer_main.py"), "--name", unique("child"),
+        args = [sys.executable, str(HERE / "peer_main.py"), "--name", name or unique("child"),
                 "--seed", str(seed), "--blocks", str(num_blocks), "--block-bytes", str(block_bytes),
-                "--regions", str(regions)]
+                "--regions", str(regions), "--listen", listen]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, **(env or {})}, text=True)
         assert self.proc.stdout is not None

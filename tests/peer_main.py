@@ -25,11 +25,12 @@ async def main() -> None:
     parser.add_argument("--blocks", type=int, required=True)
     parser.add_argument("--block-bytes", type=int, required=True)
     parser.add_argument("--regions", type=int, required=True)
+    parser.add_argument("--listen", default="tcp://127.0.0.1:0")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     cache = [rng.integers(0, 256, (args.blocks, args.block_bytes), dtype=np.uint8)
              for _ in range(args.regions)]
-    async with aionixl.Engine(args.name, cache) as engine:
+    async with aionixl.Engine(args.name, cache, listen=args.listen) as engine:
         print(json.dumps({"name": engine.name, "address": engine.address}), flush=True)
         fd = sys.stdin.fileno()
         while True:

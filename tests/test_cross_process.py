@@ -7,8 +7,11 @@ leaves our transfer in flight for as long as it stays stopped.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +21,7 @@ import pytest
 
 import aionixl
 
-from .conftest import PeerProcess, numpy_cache, unique, zero_resources
+from .conftest import HERE, PeerProcess, numpy_cache, unique, zero_resources
 
 pytestmark = pytest.mark.anyio
 
@@ -144,4 +147,99 @@ async def test_close_with_transfers_in_flight(stopped_tcp_peer: Any) -> None:
                     closers.start_soon(eng.aclose)
                 assert anyio.current_time() - start < 5
     assert len(errors) == 6
+    assert zero_resources(eng)
+
+
+async def test_killed_peer_is_evicted_and_a_restart_on_its_port_is_reachable(
+        peer_process_factory: Any) -> None:
+    """SIGKILL the peer mid-read: typed error within a second, the peer evicted with all its
+    NIXL state, other peers unaffected; the peer restarts (same name, same port, other data)
+    and a new connect() reads the new incarnation's bytes."""
+    name = unique("prefill")
+    shape = {"num_blocks": BLOCKS, "block_bytes": 1 << 16, "regions": REGIONS}
+    first: PeerProcess = peer_process_factory(seed=1, name=name, **shape)
+    bystander: PeerProcess = peer_process_factory(seed=3, **shape)
+    local = numpy_cache(BLOCKS, 1 << 16, REGIONS)
+    async with aionixl.Engine(unique("dec"), local, listen=None) as eng:
+        peer = await eng.connect(first.address, timeout=30)
+        other = await eng.connect(bystander.address, timeout=30)
+        failures: list[tuple[BaseException, float]] = []
+        killed_at: list[float] = []
+
+        async def keep_reading(worker: int) -> None:
+            ids = list(range(worker * 8, worker * 8 + 8))
+            try:
+                while True:
+                    await eng.transfer_blocks(peer, ids, ids, timeout=10)
+            except Exception as exc:
+                failures.append((exc, anyio.current_time()))
+
+        async with anyio.create_task_group() as tg:
+            for worker in range(4):
+                tg.start_soon(keep_reading, worker)
+            await anyio.sleep(0.3)
+            killed_at.append(anyio.current_time())
+            first.proc.kill()
+        assert first.proc.wait() == -signal.SIGKILL
+        assert len(failures) == 4
+        for exc, when in failures:
+            assert isinstance(exc, aionixl.PeerDisconnectedError), repr(exc)
+            assert when - killed_at[0] < 1.0
+        # Evicted: gone from peers, its descriptors and remote agent released.
+        assert not peer.connected and name not in eng.peers
+        live = eng.live_resources()
+        assert live["remote_agents"] == 1 and live["dlists"] == 2  # ours + the bystander's
+        assert live["transfer_handles"] == 0 and live["in_flight"] == 0
+        assert eng.stats()["peers_evicted"] == 1
+        with pytest.raises(aionixl.PeerDisconnectedError, match="connect"):
+            await eng.transfer_blocks(peer, [0], [0])
+        # Everyone else carries on.
+        await eng.transfer_blocks(other, [0, 1], [5, 6])
+        assert np.array_equal(local[1][:2], bystander.expected()[1][5:7])
+
+        second: PeerProcess = peer_process_factory(seed=2, name=name, listen=first.address, **shape)
+        again = await eng.connect(first.address, timeout=30)
+        assert again is not peer and again.connected and eng.peers[name] is again
+        await eng.transfer_blocks(again, list(range(BLOCKS)), list(range(BLOCKS)))
+        for mine, theirs in zip(local, second.expected(), strict=True):
+            assert np.array_equal(mine, theirs)
+        assert eng.live_resources()["remote_agents"] == 2
+    assert zero_resources(eng)
+
+
+def test_closing_with_transfers_in_flight_to_a_live_peer_prints_no_ucx_warnings() -> None:
+    """Cancelling UCX transfers that are moving data and destroying the agent at once makes
+    UCX warn ("was not returned to mpool", "not flushed"); close lets them finish first."""
+    env = {**os.environ, "UCX_TLS": "tcp"}
+    run = subprocess.run([sys.executable, "-m", "tests.close_check"], cwd=HERE.parent, env=env,
+                         capture_output=True, text=True, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    report = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["in_flight_at_close"] > 0, report  # the close really met transfers under way
+    assert sum(report["outcomes"].values()) == 64
+    assert all(v == 0 for v in report["resources"].values()), report
+    warnings = [line for line in output.splitlines() if "UCX  WARN" in line or "UCX  ERROR" in line]
+    assert warnings == []
+
+
+async def test_drain_waits_for_transfers_under_way(stopped_tcp_peer: Any) -> None:
+    child, frozen = stopped_tcp_peer
+    local = numpy_cache(8, 4 << 20, 1)
+    async with aionixl.Engine(unique("dec"), local, listen=None) as eng:
+        peer = await _connected(eng, child)
+        done: list[aionixl.TransferResult] = []
+        async with anyio.create_task_group() as tg:
+            with frozen():
+                async def read() -> None:
+                    done.append(await eng.transfer_blocks(peer, [2, 3], [6, 7], timeout=30))
+
+                tg.start_soon(read)
+                await anyio.sleep(0.1)
+                assert await eng.drain(timeout=0.3) is False  # the peer is stopped
+                assert eng.live_resources()["in_flight"] == 1
+            assert await eng.drain(timeout=20) is True
+            assert eng.live_resources()["in_flight"] == 0
+        assert len(done) == 1
+        assert np.array_equal(local[0][2:4], child.expected()[0][6:8])
     assert zero_resources(eng)

@@ -502,3 +502,199 @@ async def test_calls_before_entering_raise_engine_closed() -> None:
     with pytest.raises(aionixl.EngineClosedError, match="not started"):
         await eng.connect("tcp://127.0.0.1:1")
     await eng.aclose()
+
+
+# ---- peer lifecycle: retries, restarts, fairness, drain ------------------------------------
+
+
+async def _silent_router_then_engine(address: str, attempts_seen: list[int],
+                                     src_cache: list[Any], started: anyio.Event,
+                                     stop: anyio.Event) -> None:
+    """Swallow the first hello at ``address`` (a peer that dies mid-handshake), then serve a
+    real engine on the same address until ``stop``."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    try:
+        await _zmq.recv_multipart(router)
+        attempts_seen.append(1)
+    finally:
+        router.close(0)
+        ctx.term()
+    async with aionixl.Engine(unique("src"), src_cache, listen=address):
+        started.set()
+        await stop.wait()
+
+
+@pytest.mark.parametrize("retries", [0, 3])
+async def test_connect_retries_reach_a_peer_that_restarted_mid_handshake(retries: int) -> None:
+    address = free_tcp_address()
+    src = numpy_cache(4, 256, 1, seed=9)
+    config = aionixl.EngineConfig(connect_retries=retries, connect_backoff=0.05,
+                                  connect_attempt_timeout=1.0)
+    seen: list[int] = []
+    started, stop = anyio.Event(), anyio.Event()
+    local = numpy_cache(4, 256, 1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_silent_router_then_engine, address, seen, src, started, stop)
+        async with aionixl.Engine(unique("dst"), local, listen=None, config=config) as dst:
+            try:
+                if retries == 0:
+                    # The one hello went to the incarnation that died; nothing answers it.
+                    with pytest.raises(aionixl.HandshakeError, match="no handshake answer"):
+                        await dst.connect(address, timeout=2.0)
+                else:
+                    peer = await dst.connect(address, timeout=10.0)
+                    await dst.transfer_blocks(peer, [0, 1], [2, 3])
+                    assert np.array_equal(local[0][:2], src[0][2:4])
+                assert seen == [1]
+            finally:
+                stop.set()
+
+
+async def test_connect_retries_stop_at_refusals_that_cannot_change() -> None:
+    config = aionixl.EngineConfig(connect_retries=5, connect_backoff=0.05)
+    async with aionixl.Engine(unique("src"), numpy_cache(4, 256, 1)) as src, \
+            aionixl.Engine(unique("dst"), numpy_cache(4, 512, 1), listen=None, config=config) as dst:
+        assert src.address is not None
+        with pytest.raises(aionixl.IncompatiblePeerError):
+            await dst.connect(src.address, timeout=10)
+        assert src.stats()["handshakes_rejected"] == 1  # asked once, not six times
+
+
+async def test_connect_retries_give_up_on_a_draining_peer_at_the_deadline() -> None:
+    config = aionixl.EngineConfig(connect_retries=100, connect_backoff=0.02)
+    async with aionixl.Engine(unique("src"), numpy_cache(4, 256, 1)) as src, \
+            aionixl.Engine(unique("dst"), numpy_cache(4, 256, 1), listen=None, config=config) as dst:
+        assert src.address is not None
+        assert await src.drain(timeout=1)
+        with pytest.raises(aionixl.HandshakeError, match="draining"):
+            await dst.connect(src.address, timeout=0.5)
+        assert src.stats()["handshakes_rejected"] > 1  # retried while the deadline allowed
+        assert dst.peers == {} and dst.live_resources()["remote_agents"] == 0
+
+
+@pytest.mark.parametrize("transport", ["default", "tcp"])
+async def test_a_restarted_engine_with_the_same_name_replaces_the_old_one(
+        transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listener drops the old incarnation and loads the new one at once (NIXL's
+    remove_remote_agent then add_remote_agent for one name); both directions then work."""
+    if transport == "tcp":
+        monkeypatch.setenv("UCX_TLS", "tcp")
+    src_cache = numpy_cache(8, 1024, 2, seed=4)
+    name = unique("dec")
+    async with aionixl.Engine(unique("pre"), src_cache) as pre:
+        assert pre.address is not None
+        for incarnation in range(3):
+            local = numpy_cache(8, 1024, 2)
+            async with aionixl.Engine(name, local, listen=None) as dec:
+                peer = await dec.connect(pre.address, timeout=10)
+                await dec.transfer_blocks(peer, list(range(8)), list(range(8)), timeout=10)
+                assert all(np.array_equal(a, b) for a, b in zip(local, src_cache, strict=True))
+                # The listener side reaches the new incarnation too.
+                inbound = pre.peers[name]
+                await pre.transfer_blocks(inbound, [0], [7], op="write", timeout=10)
+                assert np.array_equal(local[1][7], src_cache[1][0])
+                # And disconnect + reconnect at once on the connecting side works.
+                await dec.disconnect(peer)
+                peer = await dec.connect(pre.address, timeout=10)
+                await dec.transfer_blocks(peer, [3], [5], timeout=10)
+                assert np.array_equal(local[0][3], src_cache[0][5])
+            assert pre.live_resources()["remote_agents"] == 1, incarnation
+    assert zero_resources(pre)
+
+
+async def test_a_loop_of_inline_transfers_lets_other_tasks_run() -> None:
+    async with engine_pair(numpy_cache(seed=1), numpy_cache()) as (_, dst, peer):
+        ticked = anyio.Event()
+        seen_at: list[int] = []
+
+        async def ticker() -> None:
+            await anyio.sleep(0.01)
+            ticked.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            for i in range(200_000):
+                await dst.transfer_blocks(peer, [0], [1])
+                if ticked.is_set():
+                    seen_at.append(i)
+                    break
+        assert seen_at, "the ticker never ran while transfers finished inline"
+
+
+async def test_drain_waits_for_the_expected_read_notification() -> None:
+    src_cache, dst_cache = numpy_cache(seed=2), numpy_cache()
+    async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
+        assert src.address is not None
+        results: dict[str, Any] = {}
+
+        async def late_reader() -> None:
+            await anyio.sleep(0.2)
+            await dst.transfer_blocks(peer, [0, 1], [4, 5], notify=b"req-1")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(late_reader)
+            start = anyio.current_time()
+            results["drained"] = await src.drain(timeout=10, expect=[b"req-1"])
+            results["took"] = anyio.current_time() - start
+        assert results["drained"] is True and results["took"] >= 0.15
+        assert np.array_equal(dst_cache[0][:2], src_cache[0][4:6])
+        # Draining: no new transfers or peers, but notifications still flow.
+        with pytest.raises(aionixl.EngineClosedError, match="draining"):
+            await src.transfer_blocks(src.peers[dst.name], [0], [0])
+        async with aionixl.Engine(unique("late"), numpy_cache(), listen=None) as late:
+            with pytest.raises(aionixl.HandshakeError, match="draining"):
+                await late.connect(src.address, timeout=5)
+        await dst.send_notification(peer, b"bye")
+        assert (await src.wait_notification(b"bye", timeout=5)).peer == dst.name
+        with pytest.raises(aionixl.EngineClosedError):
+            await src.connect(src.address)
+    assert zero_resources(src)
+
+
+async def test_drain_is_bounded_and_reports_what_is_missing(caplog: pytest.LogCaptureFixture) -> None:
+    async with engine_pair(numpy_cache(seed=2), numpy_cache()) as (src, dst, _):
+        start = anyio.current_time()
+        assert await src.drain(timeout=0.2, expect=[b"never"]) is False
+        assert anyio.current_time() - start < 2
+        assert "1 expected notification(s) not seen" in caplog.text
+        with pytest.raises(ValueError, match="sequence of bytes"):
+            await src.drain(timeout=1, expect=b"not-a-list")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="timeout"):
+            await src.drain(timeout=0)
+        # aclose(drain_timeout=) drains, then closes; a waiter still pending is answered
+        # with EngineClosedError when the drain gives up.
+        async with anyio.create_task_group() as tg:
+            outcome: list[BaseException] = []
+
+            async def waiter() -> None:
+                try:
+                    await dst.wait_notification(b"nobody-sends-this")
+                except aionixl.EngineClosedError as exc:
+                    outcome.append(exc)
+
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            await dst.aclose(drain_timeout=0.2)
+        assert len(outcome) == 1 and dst.closed and zero_resources(dst)
+
+
+async def test_aclose_with_drain_timeout_lets_a_pending_waiter_finish() -> None:
+    async with engine_pair(numpy_cache(seed=2), numpy_cache()) as (src, dst, peer):
+        got: list[aionixl.Notification] = []
+
+        async def waiter() -> None:
+            got.append(await src.wait_notification(b"done", timeout=10))
+
+        async def sender() -> None:
+            await anyio.sleep(0.2)
+            await dst.transfer_blocks(peer, [0], [0], notify=b"done")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            tg.start_soon(sender)
+            await anyio.sleep(0.05)
+            await src.aclose(drain_timeout=5)
+        assert [n.message for n in got] == [b"done"]

@@ -1,0 +1,48 @@
+"""Run by test_cross_process in a fresh interpreter, so that everything UCX prints is seen:
+close an engine with 64 transfers in flight to a live peer in another process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import anyio
+
+import aionixl
+
+from .conftest import PeerProcess, numpy_cache
+
+logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+async def main() -> None:
+    peer_process = PeerProcess(seed=1, num_blocks=64, block_bytes=1 << 18, regions=2)
+    outcomes: dict[str, int] = {}
+    try:
+        eng = aionixl.Engine("close-check", numpy_cache(64, 1 << 18, 2), listen=None)
+        async with eng:
+            peer = await eng.connect(peer_process.address, timeout=30)
+
+            async def read(block: int) -> None:
+                try:
+                    await eng.transfer_blocks(peer, [block], [block], timeout=60)
+                    key = "done"
+                except aionixl.EngineClosedError:
+                    key = "closed"
+                outcomes[key] = outcomes.get(key, 0) + 1
+
+            async with anyio.create_task_group() as tg:
+                for block in range(64):
+                    tg.start_soon(read, block)
+                await anyio.sleep(0.01)
+                in_flight = eng.live_resources()["in_flight"]
+                await eng.aclose()
+    finally:
+        peer_process.stop()
+    print(json.dumps({"in_flight_at_close": in_flight, "outcomes": outcomes,
+                      "resources": eng.live_resources()}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main))
