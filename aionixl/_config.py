@@ -46,6 +46,9 @@ class EngineConfig:
     connect_backoff: float = 0.05
     connect_attempt_timeout: float = 2.0
     idle_poll_interval: float = 0.1
+    #: How often the engine checks that its peers are still alive (one small NIXL
+    #: notification each; a peer NIXL reports gone is evicted). ``math.inf`` disables it.
+    peer_probe_interval: float = 5.0
     notification_poll_interval: float = 0.002
     #: ``check_xfer_state`` calls made inline right after a post, before handing the
     #: transfer to the poller task. Saves a trip through the event loop for short transfers.
@@ -66,6 +69,7 @@ class EngineConfig:
             "idle_poll_interval": self.idle_poll_interval,
             "notification_poll_interval": self.notification_poll_interval,
             "connect_backoff": self.connect_backoff,
+            "peer_probe_interval": self.peer_probe_interval,
             "connect_attempt_timeout": self.connect_attempt_timeout,
         }
         for name, value in positive.items():

@@ -120,6 +120,9 @@ class _InFlight:
         self.event.set()
 
 
+#: The notification engines send each other to find dead peers; never delivered to callers.
+_PROBE = b"\x00aionixl-probe\x00"
+
 #: Longest stretch transfer_blocks may finish transfers inline before it yields to the loop.
 _FAIR_SHARE = 0.0005
 
@@ -790,10 +793,10 @@ class Engine:
             nblocks = len(local_blocks)
         if notify is None:
             message = b""
-        elif isinstance(notify, (bytes, bytearray, memoryview)):
+        elif isinstance(notify, (bytes, bytearray, memoryview)) and notify != _PROBE:
             message = bytes(notify)
         else:
-            raise ValueError("notify must be bytes or None")
+            raise ValueError("notify must be bytes or None (and not the reserved probe message)")
         if timeout is None:
             limit = self._config.transfer_timeout  # validated by EngineConfig
         else:
@@ -810,7 +813,7 @@ class Engine:
             raise self._evict(peer, exc) from exc
         if status is not DONE or handle != NO_HANDLE:
             await self._finish_transfer(peer, handle, status, limit)
-            self._last_yield = time.perf_counter()
+            now = self._last_yield = time.perf_counter()
         else:
             # Finished inline, without a trip through the event loop. A caller looping on
             # short transfers must still let other tasks run (and be cancellable): yield
@@ -819,7 +822,7 @@ class Engine:
             if now - self._last_yield > _FAIR_SHARE:
                 self._last_yield = now
                 await anyio.lowlevel.checkpoint()
-        return TransferResult(nblocks, nblocks * self._bytes_per_block, time.perf_counter() - started)
+        return TransferResult(nblocks, nblocks * self._bytes_per_block, now - started)
 
     def _checked_indices(self, peer: Peer, local_blocks: object, remote_blocks: object,
                          op: Op) -> tuple[int, IndexArray, IndexArray]:
@@ -914,6 +917,8 @@ class Engine:
         mailbox = self._mailbox
         busy_cap = self._config.notification_poll_interval
         idle_cap = self._config.idle_poll_interval
+        probe_every = self._config.peer_probe_interval
+        next_probe = anyio.current_time() + probe_every
         interval = 0.0
         while True:
             try:
@@ -921,10 +926,16 @@ class Engine:
             except AionixlError as exc:
                 self._noisy.log(logging.WARNING, "notifs", "reading notifications failed: %s", exc)
                 notifs = {}
+            delivered = False
             for peer_name, messages in notifs.items():
                 for message in messages:
-                    mailbox.deliver(Notification(peer_name, message))
-            if notifs or self._inflight:
+                    if message != _PROBE:
+                        mailbox.deliver(Notification(peer_name, message))
+                        delivered = True
+            if self._peers and anyio.current_time() >= next_probe:
+                self._probe_peers()
+                next_probe = anyio.current_time() + probe_every
+            if delivered or self._inflight:
                 interval = 0.0
             elif not self._peers and not mailbox.waiting:
                 interval = math.inf  # nobody to hear from: sleep until something happens
@@ -940,12 +951,26 @@ class Engine:
             if wakeup.is_set():
                 interval = 0.0
 
+    def _probe_peers(self) -> None:
+        """Find peers that died while idle: NIXL fails a notification to a peer that is gone."""
+        agent = self._agent
+        assert agent is not None
+        for peer in list(self._peers.values()):
+            try:
+                agent.send_notif(peer.name, _PROBE)
+            except PeerDisconnectedError as exc:
+                self._evict(peer, exc)
+            except AionixlError as exc:
+                self._noisy.log(logging.INFO, "probe", "probing peer %r: %s", peer.name, exc)
+
     async def send_notification(self, peer: Peer, message: bytes) -> None:
         """Send ``message`` to ``peer`` on its own, not tied to a transfer."""
         self._check_open(draining_ok=True)
         p = self._live_peer(peer)
         if not isinstance(message, (bytes, bytearray, memoryview)):
             raise ValueError("message must be bytes")
+        if message == _PROBE:
+            raise ValueError("that message is reserved for the engine's liveness probe")
         assert self._agent is not None
         try:
             self._agent.send_notif(p.name, bytes(message))

@@ -26,12 +26,15 @@ async def main() -> None:
     parser.add_argument("--block-bytes", type=int, required=True)
     parser.add_argument("--regions", type=int, required=True)
     parser.add_argument("--listen", default="tcp://127.0.0.1:0")
+    parser.add_argument("--connect", default=None, help="also connect to the engine listening here")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     cache = [rng.integers(0, 256, (args.blocks, args.block_bytes), dtype=np.uint8)
              for _ in range(args.regions)]
     async with aionixl.Engine(args.name, cache, listen=args.listen) as engine:
         print(json.dumps({"name": engine.name, "address": engine.address}), flush=True)
+        if args.connect:  # after the line above: the parent reads it before it can answer
+            await engine.connect(args.connect, timeout=30)
         fd = sys.stdin.fileno()
         while True:
             await anyio.wait_readable(fd)

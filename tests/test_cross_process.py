@@ -243,3 +243,34 @@ async def test_drain_waits_for_transfers_under_way(stopped_tcp_peer: Any) -> Non
         assert len(done) == 1
         assert np.array_equal(local[0][2:4], child.expected()[0][6:8])
     assert zero_resources(eng)
+
+
+@pytest.mark.parametrize("direction", ["outbound", "inbound"])
+async def test_a_peer_that_dies_while_idle_is_found_by_the_probe(peer_process_factory: Any,
+                                                                 direction: str) -> None:
+    """No transfer needs to fail: the liveness probe notices the death and evicts the peer,
+    on the connecting side and on the listening side (where stale peers would pile up)."""
+    config = aionixl.EngineConfig(peer_probe_interval=0.2)
+    async with aionixl.Engine(unique("eng"), numpy_cache(4, 4096, 1), config=config) as eng:
+        if direction == "outbound":
+            child: PeerProcess = peer_process_factory(num_blocks=4, block_bytes=4096, regions=1)
+            await eng.connect(child.address, timeout=30)
+        else:
+            assert eng.address is not None
+            child = peer_process_factory(num_blocks=4, block_bytes=4096, regions=1,
+                                         connect=eng.address)
+        with anyio.fail_after(10):
+            while child.name not in eng.peers:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.5)
+        assert child.name in eng.peers  # probes of a live peer change nothing
+        assert eng.stats()["notifications_kept"] == 0  # nor do they reach anyone's mailbox
+        child.proc.kill()
+        child.proc.wait()
+        with anyio.fail_after(5):
+            while child.name in eng.peers:
+                await anyio.sleep(0.02)
+        assert eng.stats()["peers_evicted"] == 1
+        live = eng.live_resources()
+        assert live["remote_agents"] == 0 and live["dlists"] == 1  # only our own
+    assert zero_resources(eng)
