@@ -78,7 +78,7 @@ class Peer:
     """
 
     __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets", "_offset_list",
-                 "_metadata", "_engine", "_connected", "_lost")
+                 "_metadata", "_engine", "_connected", "_lost", "_one_block")
 
     def __init__(self, engine: Engine, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes) -> None:
@@ -93,6 +93,7 @@ class Peer:
         self._engine = engine
         self._connected = True
         self._lost: BaseException | None = None  # why it was evicted, if it was
+        self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
 
     @property
     def connected(self) -> bool:
@@ -124,7 +125,7 @@ class _InFlight:
 _PROBE = b"\x00aionixl-probe\x00"
 
 #: Longest stretch transfer_blocks may finish transfers inline before it yields to the loop.
-_FAIR_SHARE = 0.0005
+_FAIR_SHARE = 0.002
 
 _NEW, _OPEN, _DRAINING, _CLOSING, _CLOSED = "new", "open", "draining", "closing", "closed"
 
@@ -164,6 +165,8 @@ class Engine:
         self._num_blocks = self._regions[0].num_blocks
         self._offsets = region_offsets(len(self._regions), self._num_blocks)
         self._offset_list: list[int] = self._offsets.ravel().tolist()
+        self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+        self._inline_polls = config.inline_polls
         self._mem_type = self._regions[0].mem_type
         self._bytes_per_block = sum(r.block_bytes for r in self._regions)
         self._compat = dict(config.compat)
@@ -783,35 +786,46 @@ class Engine:
             self._live_peer(peer)  # raises the right ValueError
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
-        local_idx: Indices | None = small_indices(local_blocks, self._num_blocks, self._offset_list)
-        remote_idx: Indices | None = small_indices(remote_blocks, peer.num_blocks, peer._offset_list)
-        if (local_idx is None or remote_idx is None or len(local_blocks) != len(remote_blocks)
-                or has_duplicates(local_blocks if op == "read" else remote_blocks)):  # type: ignore[arg-type]
-            nblocks, local_idx, remote_idx = self._checked_indices(peer, local_blocks,
-                                                                   remote_blocks, op)
-        else:
-            nblocks = len(local_blocks)
+        local_idx: Indices | None = None
+        remote_idx: Indices | None = None
+        nblocks = 1
+        if type(local_blocks) is list and type(remote_blocks) is list \
+                and len(local_blocks) == 1 == len(remote_blocks):
+            # One block each way, the commonest call: indices already validated and built.
+            lb, rb = local_blocks[0], remote_blocks[0]
+            if type(lb) is int and type(rb) is int:
+                local_idx = self._one_block.get(lb)
+                remote_idx = peer._one_block.get(rb)
+        if local_idx is None or remote_idx is None:
+            local_idx = small_indices(local_blocks, self._num_blocks, self._offset_list)
+            remote_idx = small_indices(remote_blocks, peer.num_blocks, peer._offset_list)
+            if (local_idx is None or remote_idx is None or len(local_blocks) != len(remote_blocks)
+                    or has_duplicates(local_blocks if op == "read" else remote_blocks)):  # type: ignore[arg-type]
+                nblocks, local_idx, remote_idx = self._checked_indices(peer, local_blocks,
+                                                                       remote_blocks, op)
+            else:
+                nblocks = len(local_blocks)
+                if nblocks == 1:
+                    _remember(self._one_block, local_blocks[0], local_idx)
+                    _remember(peer._one_block, remote_blocks[0], remote_idx)
         if notify is None:
             message = b""
         elif isinstance(notify, (bytes, bytearray, memoryview)) and notify != _PROBE:
             message = bytes(notify)
         else:
             raise ValueError("notify must be bytes or None (and not the reserved probe message)")
-        if timeout is None:
-            limit = self._config.transfer_timeout  # validated by EngineConfig
-        else:
+        if timeout is not None:
             _check_timeout(timeout, "timeout")
-            limit = timeout
         agent = self._agent
-        assert agent is not None
+        assert agent is not None and local_idx is not None and remote_idx is not None
         started = time.perf_counter()
-        assert local_idx is not None and remote_idx is not None
         try:
             handle, status = agent.start_xfer(op, self._local_dlist, local_idx, peer._dlist,
-                                              remote_idx, message, self._config.inline_polls)
+                                              remote_idx, message, self._inline_polls)
         except TransferError as exc:
             raise self._evict(peer, exc) from exc
         if status is not DONE or handle != NO_HANDLE:
+            limit = self._config.transfer_timeout if timeout is None else timeout
             await self._finish_transfer(peer, handle, status, limit)
             now = self._last_yield = time.perf_counter()
         else:
@@ -822,7 +836,7 @@ class Engine:
             if now - self._last_yield > _FAIR_SHARE:
                 self._last_yield = now
                 await anyio.lowlevel.checkpoint()
-        return TransferResult(nblocks, nblocks * self._bytes_per_block, now - started)
+        return _new_tuple(TransferResult, (nblocks, nblocks * self._bytes_per_block, now - started))
 
     def _checked_indices(self, peer: Peer, local_blocks: object, remote_blocks: object,
                          op: Op) -> tuple[int, IndexArray, IndexArray]:
@@ -1014,6 +1028,18 @@ class Engine:
             self._check_open(draining_ok=True)
             raise EngineClosedError(f"engine {self._name!r} closed")
         return waiter.result
+
+
+_ONE_BLOCK_CACHE = 4096
+#: Builds a TransferResult without NamedTuple.__new__'s argument handling (half its cost).
+_new_tuple = tuple.__new__
+
+
+def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> None:
+    """Keep a validated block's descriptor indices for the one-block fast path (bounded)."""
+    if len(cache) >= _ONE_BLOCK_CACHE:
+        cache.clear()
+    cache[block] = indices
 
 
 def _single_leaf(exc: BaseException) -> BaseException:

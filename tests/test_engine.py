@@ -698,3 +698,25 @@ async def test_aclose_with_drain_timeout_lets_a_pending_waiter_finish() -> None:
             await anyio.sleep(0.05)
             await src.aclose(drain_timeout=5)
         assert [n.message for n in got] == [b"done"]
+
+
+async def test_one_block_fast_path_checks_like_the_slow_one() -> None:
+    src_cache = numpy_cache(16, 512, 2, seed=8)
+    dst_cache = numpy_cache(16, 512, 2)
+    async with engine_pair(src_cache, dst_cache) as (_, dst, peer):
+        await dst.transfer_blocks(peer, [1], [1])  # block 1 now takes the fast path
+        for bad_local, bad_remote in (([True], [1]), ([1], [True]), ([-1], [1]), ([1], [16]),
+                                      ([np.int64(1)], [99])):
+            with pytest.raises(ValueError):
+                await dst.transfer_blocks(peer, bad_local, bad_remote)  # type: ignore[arg-type]
+        # Every (local, remote) pair lands where it should, cached or not, either way.
+        for i in range(16):
+            await dst.transfer_blocks(peer, [i], [15 - i])
+        for mine, theirs in zip(dst_cache, src_cache, strict=True):
+            assert np.array_equal(mine, theirs[::-1])
+        for r in dst_cache:
+            r[:] = 7
+        for i in range(16):
+            await dst.transfer_blocks(peer, [i], [i], op="write")
+        for theirs in src_cache:
+            assert np.all(theirs == 7)
