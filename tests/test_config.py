@@ -12,7 +12,9 @@ import aionixl
     {"transfer_timeout": 0}, {"transfer_timeout": -1}, {"close_timeout": math.inf},
     {"idle_poll_interval": math.nan}, {"max_pending_notifications": 0},
     {"max_handshake_bytes": True}, {"inline_polls": -1}, {"backends": ()},
-    {"compat": {"a": 1}},
+    {"compat": {"a": 1}}, {"connect_retries": -1}, {"connect_retries": True},
+    {"connect_backoff": 0}, {"connect_attempt_timeout": -2}, {"close_grace": math.nan},
+    {"peer_probe_interval": 0},
 ])
 def test_bad_config_is_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
