@@ -35,6 +35,11 @@ class EngineConfig:
     close_grace: float = 0.5
     #: Notifications kept for nobody-waiting-yet; past it the oldest one is dropped.
     max_pending_notifications: int = 4096
+    #: A secret shared by the engines that may connect to each other. When set, every
+    #: handshake message carries an HMAC-SHA256 tag of it and messages without the right
+    #: tag are refused before anything in them reaches NIXL. Set it wherever untrusted
+    #: hosts can reach the listener: NIXL/UCX can crash the process on crafted metadata.
+    handshake_secret: bytes | None = field(default=None, repr=False)
     #: Largest handshake message accepted or sent.
     max_handshake_bytes: int = 16 * 1024 * 1024
     #: Extra handshake attempts ``connect()`` makes after one fails (no answer within
@@ -87,5 +92,8 @@ class EngineConfig:
         if not isinstance(self.connect_retries, int) or isinstance(self.connect_retries, bool) \
                 or self.connect_retries < 0:
             raise ValueError(f"connect_retries must be an int >= 0, got {self.connect_retries!r}")
+        if self.handshake_secret is not None and (
+                not isinstance(self.handshake_secret, bytes) or len(self.handshake_secret) < 16):
+            raise ValueError("handshake_secret must be bytes of at least 16 bytes, or None")
         if not isinstance(self.inline_polls, int) or self.inline_polls < 0:
             raise ValueError(f"inline_polls must be an int >= 0, got {self.inline_polls!r}")

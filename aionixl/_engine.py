@@ -37,7 +37,7 @@ from ._errors import (
     TransferError,
     TransferTimeoutError,
 )
-from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
+from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status, metadata_agent_name
 from ._notifications import Mailbox, Notification
 from ._ratelimit import RateLimitedLog
 from ._regions import (
@@ -167,6 +167,7 @@ class Engine:
         self._offset_list: list[int] = self._offsets.ravel().tolist()
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
         self._inline_polls = config.inline_polls
+        self._secret = config.handshake_secret
         self._mem_type = self._regions[0].mem_type
         self._bytes_per_block = sum(r.block_bytes for r in self._regions)
         self._compat = dict(config.compat)
@@ -578,9 +579,9 @@ class Engine:
     async def _handshake(self, address: str) -> Peer:
         agent, ctx = self._agent, self._zctx
         assert agent is not None and ctx is not None
-        hello = proto.Hello(proto.PROTOCOL_VERSION, self._name, agent.metadata(),
-                            [proto.RegionInfo.of(r) for r in self._regions], self._compat,
-                            self._compat_hash)
+        hello = proto.sign(proto.Hello(proto.PROTOCOL_VERSION, self._name, agent.metadata(),
+                                       [proto.RegionInfo.of(r) for r in self._regions],
+                                       self._compat, self._compat_hash), self._secret)
         limit = self._config.max_handshake_bytes
         with self._operation():
             sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
@@ -603,10 +604,16 @@ class Engine:
         except proto.ProtocolError as exc:
             raise _RefusedError(f"unusable handshake reply from {address}: {exc}") from exc
         if isinstance(reply, proto.Reject):
+            reason, code = proto.clip(reply.reason), proto.clip(reply.code, 40)
             if reply.code == "incompatible":
-                raise IncompatiblePeerError(f"{address} refused us: {reply.reason}", field=reply.field)
+                field = None if reply.field is None else proto.clip(reply.field, 100)
+                raise IncompatiblePeerError(f"{address} refused us: {reason}", field=field)
             kind = HandshakeError if reply.code in _RETRYABLE_REJECTS else _RefusedError
-            raise kind(f"{address} refused the handshake ({reply.code}): {reply.reason}")
+            raise kind(f"{address} refused the handshake ({code}): {reason}")
+        try:
+            proto.check_auth(reply, self._secret)
+        except proto.ProtocolError as exc:
+            raise _RefusedError(f"{address} answered without this engine's secret") from exc
         if reply.name == self._name:
             raise _RefusedError(f"{address} is this engine ({self._name!r}) itself")
         try:
@@ -615,7 +622,10 @@ class Engine:
         except proto.Incompatible as exc:
             raise IncompatiblePeerError(f"peer {reply.name!r} at {address}: {exc}",
                                         field=exc.field) from None
-        peer = self._admit(reply.name, reply.agent_metadata, reply.regions, address)
+        try:
+            peer = self._admit(reply.name, reply.agent_metadata, reply.regions, address)
+        except proto.ProtocolError as exc:
+            raise _RefusedError(f"unusable handshake reply from {address}: {exc}") from exc
         try:
             agent.make_connection(peer.name)
         except AionixlError:
@@ -629,17 +639,21 @@ class Engine:
         agent = self._agent
         assert agent is not None
         existing = self._peers.get(name)
+        if existing is not None and existing._metadata == metadata:
+            if address is not None and existing.address is None:
+                existing.address = address
+                self._peers_by_address[address] = existing
+            return existing
+        # Checked before NIXL sees the metadata: loading another agent's metadata would
+        # replace that agent's state under our feet.
+        embedded = metadata_agent_name(metadata)
+        if embedded != name:
+            raise proto.ProtocolError(
+                f"the NIXL metadata of {proto.clip(name, 80)!r} is not an agent of that name "
+                f"(it names {proto.clip(embedded, 80) if embedded else 'no readable agent'})")
         if existing is not None:
-            if existing._metadata == metadata:
-                if address is not None and existing.address is None:
-                    existing.address = address
-                    self._peers_by_address[address] = existing
-                return existing
             self._drop_peer(existing, None)  # same name, new incarnation
-        loaded = agent.add_remote(metadata)
-        if loaded != name:
-            self._attempt(agent.remove_remote, loaded, [])
-            raise HandshakeError(f"peer calls itself {name!r} but its NIXL agent is {loaded!r}")
+        agent.add_remote(metadata, name)
         remote = [r.to_region() for r in regions]
         try:
             dlist = agent.prep_dlist(name, block_descriptors(remote), regions[0].mem_type)
@@ -719,6 +733,8 @@ class Engine:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_handshake_bytes + 4096)
+            # A flooding client gets its messages dropped by zmq, not buffered by the 1000.
+            sock.setsockopt(zmq.RCVHWM, 16)
             try:
                 sock.bind(self._listen)
             except zmq.ZMQError as exc:
@@ -745,10 +761,11 @@ class Engine:
             if len(frames) != 2:
                 raise proto.ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
             hello = proto.decode_hello(frames[1], self._config.max_handshake_bytes)
+            proto.check_auth(hello, self._secret)
             if self._state != _OPEN:
                 return proto.Reject(version, "draining", f"engine {self._name!r} takes no new peers")
             if hello.name == self._name:
-                return proto.Reject(version, "self", f"{hello.name!r} is this engine's own name")
+                return proto.Reject(version, "self", f"{proto.clip(hello.name)!r} is this engine's own name")
             proto.check_compatible(self._regions, self._compat, hello.regions, hello.compat)
             proto.check_hash(self._compat_hash, hello.compat_hash)
             self._admit(hello.name, hello.agent_metadata, hello.regions, None)
@@ -759,12 +776,13 @@ class Engine:
             self._noisy.log(logging.WARNING, "incompatible", "rejected an incompatible peer: %s", exc)
             return proto.Reject(version, "incompatible", str(exc), exc.field)
         except Exception as exc:
-            self._noisy.log(logging.WARNING, "admit", "handshake failed on our side: %r", exc)
-            return proto.Reject(version, "internal", str(exc))
+            self._noisy.log(logging.WARNING, "admit", "handshake failed on our side: %s",
+                            proto.clip(repr(exc)))
+            return proto.Reject(version, "internal", proto.clip(str(exc)))
         assert self._agent is not None
-        return proto.Welcome(version, self._name, self._agent.metadata(),
-                             [proto.RegionInfo.of(r) for r in self._regions], self._compat,
-                             self._compat_hash)
+        return proto.sign(proto.Welcome(version, self._name, self._agent.metadata(),
+                                        [proto.RegionInfo.of(r) for r in self._regions],
+                                        self._compat, self._compat_hash), self._secret)
 
     # ---- transfers ----------------------------------------------------------------------
 

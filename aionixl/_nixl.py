@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextlib import suppress
 from typing import Any, Literal
 
 import nixl._bindings as _bind
@@ -66,6 +67,28 @@ def translate(exc: BaseException, kind: Kind, what: str) -> AionixlError:
     return AionixlError(detail)
 
 
+_MD_HEADER = b"nixlSerDes|Agent"
+_MAX_NAME = 1024
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name NIXL's serialized metadata carries, or None if it has none.
+
+    Read without NIXL, before loading: loading someone else's metadata under a claimed name
+    would replace that agent's state, and a name that is not UTF-8 could not be removed.
+    """
+    if not metadata.startswith(_MD_HEADER) or len(metadata) < len(_MD_HEADER) + 8:
+        return None
+    start = len(_MD_HEADER) + 8
+    size = int.from_bytes(metadata[len(_MD_HEADER):start], "little")
+    if not 0 < size <= _MAX_NAME or len(metadata) < start + size:
+        return None
+    try:
+        return metadata[start:start + size].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class Agent:
     """A NIXL agent plus the account of what it holds.
 
@@ -114,14 +137,20 @@ class Agent:
         md: bytes = self._agent.get_agent_metadata()
         return md
 
-    def add_remote(self, metadata: bytes) -> str:
+    def add_remote(self, metadata: bytes, name: str) -> None:
+        """Load a peer's metadata; ``name`` is what :func:`metadata_agent_name` read from it.
+
+        A load that fails can leave NIXL holding part of the agent, which makes every later
+        load of that name fail (NIXL_ERR_NOT_ALLOWED); such leftovers are removed here.
+        """
         try:
-            loaded = self._agent.add_remote_agent(metadata)
-            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            self._agent.add_remote_agent(metadata)
         except _NIXL_ERRORS as exc:
+            if name not in self.remote_agents:
+                with suppress(*_NIXL_ERRORS):
+                    self._raw.invalidateRemoteMD(name)
             raise translate(exc, "handshake", "loading the peer's NIXL metadata") from exc
         self.remote_agents.add(name)
-        return name
 
     def make_connection(self, remote: str) -> None:
         try:

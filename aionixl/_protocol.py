@@ -10,8 +10,9 @@ evolves without a version bump.
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -21,7 +22,8 @@ PROTOCOL_VERSION = 1
 
 #: The codes this version sends. ``Reject.code`` decodes as any string, so that a newer
 #: peer's new codes reach older clients as plain refusals instead of decode errors.
-RejectCode = Literal["incompatible", "version", "bad-request", "self", "internal", "draining"]
+RejectCode = Literal["incompatible", "version", "bad-request", "self", "internal", "draining",
+                     "unauthorized"]
 
 
 class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -53,6 +55,8 @@ class _EngineInfo(msgspec.Struct, frozen=True):
     regions: list[RegionInfo]
     compat: dict[str, str]
     compat_hash: str
+    #: HMAC-SHA256 over the message with ``auth`` empty, when engines share a secret.
+    auth: bytes = b""
 
 
 class Hello(_EngineInfo, frozen=True, tag="hello"):
@@ -76,11 +80,16 @@ class _VersionOnly(msgspec.Struct):
     version: int
 
 
+def clip(text: str, limit: int = 300) -> str:
+    """Peer-supplied text goes into logs and replies only this long."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
 class ProtocolError(Exception):
     """A message did not decode or validate. ``code`` says how to reject it."""
 
     def __init__(self, message: str, code: RejectCode = "bad-request") -> None:
-        super().__init__(message)
+        super().__init__(clip(message))
         self.code = code
 
 
@@ -88,8 +97,8 @@ class Incompatible(Exception):
     """Two engines cannot exchange blocks; ``field`` names the first difference."""
 
     def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
+        super().__init__(clip(message))
+        self.field = clip(field, 100)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -107,6 +116,8 @@ def _decode(data: bytes, decoder: msgspec.msgpack.Decoder[Any], limit: int) -> o
         raise ProtocolError(f"message of {len(data)} bytes exceeds the {limit}-byte limit")
     try:
         message = decoder.decode(data)
+    except RecursionError as exc:  # msgspec recurses into nested containers
+        raise ProtocolError("malformed handshake message: nested too deeply") from exc
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         version = _peek_version(data)
         if version is not None and version != PROTOCOL_VERSION:
@@ -126,7 +137,7 @@ def _decode(data: bytes, decoder: msgspec.msgpack.Decoder[Any], limit: int) -> o
 def _peek_version(data: bytes) -> int | None:
     try:
         return _version_decoder.decode(data).version
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 
@@ -160,6 +171,33 @@ def _validate_regions(regions: Sequence[RegionInfo]) -> None:
             raise ProtocolError(f"peer region {i} has overlapping blocks")
     if len(regions) * regions[0].num_blocks > 2**31 - 1:
         raise ProtocolError("peer has more blocks than fit in int32 indices")
+
+
+_Signed = TypeVar("_Signed", Hello, Welcome)
+
+
+def _tag(message: Hello | Welcome, secret: bytes) -> bytes:
+    unsigned = msgspec.structs.replace(message, auth=b"")
+    return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
+
+
+def sign(message: _Signed, secret: bytes | None) -> _Signed:
+    """The message with its ``auth`` tag set (unchanged when there is no secret)."""
+    if secret is None:
+        return message
+    return msgspec.structs.replace(message, auth=_tag(message, secret))
+
+
+def check_auth(message: Hello | Welcome, secret: bytes | None) -> None:
+    """Raise ProtocolError("unauthorized") unless the message carries the secret's tag.
+
+    Checked before anything from the message reaches NIXL: loading crafted metadata can
+    crash the process inside UCX, so on untrusted networks only signed peers get that far.
+    """
+    if secret is None:
+        return
+    if not message.auth or not hmac.compare_digest(message.auth, _tag(message, secret)):
+        raise ProtocolError("the handshake is not signed with this engine's secret", "unauthorized")
 
 
 def compat_hash(regions: Sequence[Region], compat: Mapping[str, str]) -> str:

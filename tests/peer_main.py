@@ -27,11 +27,13 @@ async def main() -> None:
     parser.add_argument("--regions", type=int, required=True)
     parser.add_argument("--listen", default="tcp://127.0.0.1:0")
     parser.add_argument("--connect", default=None, help="also connect to the engine listening here")
+    parser.add_argument("--secret", default=None, help="EngineConfig.handshake_secret (text)")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     cache = [rng.integers(0, 256, (args.blocks, args.block_bytes), dtype=np.uint8)
              for _ in range(args.regions)]
-    async with aionixl.Engine(args.name, cache, listen=args.listen) as engine:
+    config = aionixl.EngineConfig(handshake_secret=args.secret.encode() if args.secret else None)
+    async with aionixl.Engine(args.name, cache, listen=args.listen, config=config) as engine:
         print(json.dumps({"name": engine.name, "address": engine.address}), flush=True)
         if args.connect:  # after the line above: the parent reads it before it can answer
             await engine.connect(args.connect, timeout=30)

@@ -14,7 +14,7 @@ import aionixl
     {"max_handshake_bytes": True}, {"inline_polls": -1}, {"backends": ()},
     {"compat": {"a": 1}}, {"connect_retries": -1}, {"connect_retries": True},
     {"connect_backoff": 0}, {"connect_attempt_timeout": -2}, {"close_grace": math.nan},
-    {"peer_probe_interval": 0},
+    {"peer_probe_interval": 0}, {"handshake_secret": b"short"}, {"handshake_secret": "text-secret-16-bytes"},
 ])
 def test_bad_config_is_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

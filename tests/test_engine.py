@@ -720,3 +720,29 @@ async def test_one_block_fast_path_checks_like_the_slow_one() -> None:
             await dst.transfer_blocks(peer, [i], [i], op="write")
         for theirs in src_cache:
             assert np.all(theirs == 7)
+
+
+async def test_a_handshake_secret_admits_only_engines_that_share_it() -> None:
+    secret = aionixl.EngineConfig(handshake_secret=b"a-secret-of-16-bytes", connect_retries=3)
+    other = aionixl.EngineConfig(handshake_secret=b"another-secret-16b", connect_retries=3)
+    src_cache = numpy_cache(seed=6)
+    async with aionixl.Engine(unique("src"), src_cache, config=secret) as src:
+        assert src.address is not None
+        for config in (None, other):
+            async with aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config) as dst:
+                with pytest.raises(aionixl.HandshakeError, match="unauthorized"):
+                    await dst.connect(src.address, timeout=10)
+        assert src.stats()["handshakes_rejected"] == 2  # refusals that cannot change: no retries
+        assert src.peers == {} and src.live_resources()["remote_agents"] == 0
+        local = numpy_cache()
+        async with aionixl.Engine(unique("dst"), local, listen=None, config=secret) as dst:
+            peer = await dst.connect(src.address, timeout=10)
+            await dst.transfer_blocks(peer, [0], [5])
+            assert np.array_equal(local[0][0], src_cache[0][5])
+    # A client with a secret does not trust a listener without one.
+    async with aionixl.Engine(unique("src"), numpy_cache()) as open_src, \
+            aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=secret) as dst:
+        assert open_src.address is not None
+        with pytest.raises(aionixl.HandshakeError, match="without this engine's secret"):
+            await dst.connect(open_src.address, timeout=10)
+        assert dst.live_resources()["remote_agents"] == 0

@@ -93,3 +93,41 @@ def test_hash_ignores_addresses_and_block_counts_but_not_sizes_or_compat() -> No
     assert proto.compat_hash(moved, {"m": "1"}) == base
     assert proto.compat_hash(REGIONS, {"m": "2"}) != base
     assert proto.compat_hash(REGIONS[:1], {"m": "1"}) != base
+
+
+SECRET = b"sixteen-bytes-or-more"
+
+
+def test_signed_messages_verify_and_tampering_is_caught() -> None:
+    signed = proto.sign(hello(), SECRET)
+    assert len(signed.auth) == 32
+    decoded = proto.decode_hello(proto.encode(signed), LIMIT)
+    proto.check_auth(decoded, SECRET)
+    proto.check_auth(decoded, None)  # an engine without a secret ignores the tag
+    for forged in (hello(), proto.sign(hello(), b"another-secret-of-16"),
+                   msgspec.structs.replace(signed, name="b"),
+                   msgspec.structs.replace(signed, agent_metadata=b"other")):
+        with pytest.raises(proto.ProtocolError) as info:
+            proto.check_auth(forged, SECRET)
+        assert info.value.code == "unauthorized"
+    assert proto.sign(hello(), None) == hello()
+
+
+def test_old_messages_without_auth_still_decode() -> None:
+    fields = {"type": "hello", **msgspec.structs.asdict(hello())}
+    del fields["auth"]
+    assert proto.decode_hello(msgspec.msgpack.encode(fields), LIMIT) == hello()
+
+
+def test_deep_nesting_is_a_bad_request_not_a_recursion_error() -> None:
+    data = b"\x91" * 100_000 + b"\x00"  # 100k nested one-element arrays
+    with pytest.raises(proto.ProtocolError) as info:
+        proto.decode_hello(data, 1 << 20)
+    assert info.value.code == "bad-request"
+
+
+def test_peer_text_in_errors_is_clipped() -> None:
+    with pytest.raises(proto.Incompatible) as info:
+        proto.check_compatible(REGIONS, {"k": "x" * 50_000}, [proto.RegionInfo.of(r) for r in REGIONS],
+                               {"k": "y"})
+    assert len(str(info.value)) < 400 and "chars)" in str(info.value)

@@ -1,0 +1,235 @@
+"""Two "hosts" over a real network link: two network namespaces joined by a veth pair.
+
+A prefill engine runs in one namespace and a decode engine in the other, each a child
+process (``tests/netns_peer.py``, driven by JSON commands) with UCX restricted to TCP over
+its veth device. The tests cut the link with ``ip link set DEV down`` while reads are in
+flight, restore it, and restart the prefill side. Needs root and iproute2; skipped
+otherwise. The children run asyncio in some tests and trio in others (one backend per test:
+these are the slow ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from . import netns
+from .conftest import HERE, unique
+
+DEADLINE = 2.0  # the transfer timeout the decode side uses while the link is cut
+MARGIN = 1.5  # how late past its deadline a TransferTimeoutError may arrive
+CLOSE_LIMIT = 2.0  # seconds an engine close may take, even with the link down
+
+
+class Child:
+    """A netns_peer.py process inside one namespace."""
+
+    def __init__(self, host: netns.Host, role: str, name: str, *, backend: str, seed: int = 7,
+                 listen: str | None = None) -> None:
+        self.role = role
+        argv = [sys.executable, str(HERE / "netns_peer.py"), "--role", role, "--name", name,
+                "--seed", str(seed)]
+        if listen is not None:
+            argv += ["--listen", listen]
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": host.dev,
+               "NETNS_PEER_BACKEND": backend, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(host.command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self._messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready: dict[str, Any] = {}
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.append(line)
+            if line.startswith("@@ "):
+                self._messages.put(json.loads(line[3:]))
+        self._messages.put(None)
+
+    def tail(self) -> str:
+        return "".join(self._log[-15:])
+
+    def next(self, timeout: float) -> dict[str, Any]:
+        try:
+            message = self._messages.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{self.role}: nothing within {timeout} s; output:\n{self.tail()}") from None
+        if message is None:
+            raise AssertionError(f"{self.role} exited ({self.proc.wait()}); output:\n{self.tail()}")
+        return message
+
+    def wait_ready(self, timeout: float = 60) -> dict[str, Any]:
+        self.ready = self.next(timeout)
+        assert self.ready.get("event") == "ready", self.ready
+        return self.ready
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, wait: float = 30) -> dict[str, Any]:
+        while True:
+            message = self.next(wait)
+            if "reply" in message:
+                return message
+
+    def call(self, wait: float = 30, **cmd: Any) -> dict[str, Any]:
+        """Send one command; return its reply (waiting at most ``wait`` seconds for it)."""
+        self.send(**cmd)
+        return self.reply(wait)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+_why_not: list[str | None] = []  # netns.unavailable(), asked once per session
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[netns.Host, netns.Host]]:
+    """Two namespaces joined by a veth pair; skips where that cannot be made."""
+    if not _why_not:
+        _why_not.append(netns.unavailable())
+    if _why_not[0] is not None:
+        pytest.skip(f"no network namespaces here: {_why_not[0]}")
+    pair = netns.veth_pair()
+    try:
+        made = pair.__enter__()
+    except netns.NetnsError as exc:
+        pytest.skip(f"cannot make a veth pair between namespaces here: {exc}")
+    try:
+        yield made
+    finally:
+        pair.__exit__(None, None, None)
+
+
+@pytest.fixture
+def children() -> Iterator[list[Child]]:
+    started: list[Child] = []
+    yield started
+    for child in started:  # before the namespaces go
+        child.stop()
+
+
+def start_pair(hosts: tuple[netns.Host, netns.Host], children: list[Child], backend: str,
+               ) -> tuple[Child, Child, str]:
+    prefill_host, decode_host = hosts
+    prefill = Child(prefill_host, "prefill", unique("prefill"), backend=backend,
+                    listen=f"tcp://{prefill_host.addr}:0")
+    decode = Child(decode_host, "decode", unique("decode"), backend=backend)
+    children += [prefill, decode]
+    address = prefill.wait_ready()["address"]
+    assert address.startswith(f"tcp://{prefill_host.addr}:")
+    decode.wait_ready()
+    connected = decode.call(op="connect", address=address, timeout=20)
+    assert connected["ok"], connected
+    return prefill, decode, address
+
+
+def assert_read_ok(decode: Child, **kw: Any) -> None:
+    result = decode.call(op="read", n=4, timeout=10, **kw)
+    assert result["ok"], result
+    assert result["match"], "the bytes read over the veth differ from the prefill side's"
+
+
+def assert_closed_fast(child: Child, **kw: Any) -> dict[str, Any]:
+    closed = child.call(wait=CLOSE_LIMIT + 20, op="close", **kw)
+    assert closed["ok"], closed
+    took = closed["close_seconds"]
+    assert took < CLOSE_LIMIT, f"{child.role} took {took:.2f} s to close"
+    assert all(v == 0 for v in closed["resources"].values()), closed["resources"]
+    return closed
+
+
+def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: tuple[netns.Host, netns.Host],
+                                                             children: list[Child]) -> None:
+    """(a) transfers over the veth move the right bytes; (b) cutting the link while reads
+    stream gives TransferTimeoutError at the deadline; (c) with the link back, a
+    disconnect + connect works and moves the right bytes again."""
+    prefill_host, _ = hosts
+    prefill, decode, address = start_pair(hosts, children, "asyncio")
+    for _ in range(3):
+        assert_read_ok(decode)
+    decode.send(op="stream", n=4, timeout=DEADLINE, ready_after=3)
+    assert decode.next(30) == {"event": "streaming"}
+    prefill_host.link(up=False)  # the prefill host's NIC goes away
+    stopped = decode.reply(wait=DEADLINE + 20)
+    assert not stopped["ok"] and stopped["error"] == "TransferTimeoutError", stopped
+    assert DEADLINE <= stopped["seconds"] < DEADLINE + MARGIN, stopped
+    state = decode.call(op="state")
+    assert state["resources"]["transfer_handles"] == 0 and state["resources"]["in_flight"] == 0, state
+    prefill_host.link(up=True)
+    assert decode.call(op="disconnect")["ok"]
+    again = decode.call(op="connect", address=address, timeout=20)
+    assert again["ok"], again
+    for _ in range(3):
+        assert_read_ok(decode)
+    assert_closed_fast(decode)
+    assert_closed_fast(prefill)
+
+
+def test_close_with_reads_in_flight_over_a_dead_link(hosts: tuple[netns.Host, netns.Host],
+                                                     children: list[Child]) -> None:
+    """With the link down: a read times out at its deadline, then both engines close fast
+    (reads still waiting get EngineClosedError) and hold nothing afterwards."""
+    _, decode_host = hosts
+    prefill, decode, _ = start_pair(hosts, children, "trio")
+    assert_read_ok(decode)
+    decode_host.link(up=False)  # this time the decode host's own NIC
+    start = time.monotonic()
+    timed_out = decode.call(op="read", n=4, timeout=DEADLINE)
+    assert not timed_out["ok"] and timed_out["error"] == "TransferTimeoutError", timed_out
+    assert DEADLINE <= timed_out["seconds"] < DEADLINE + MARGIN, timed_out
+    assert time.monotonic() - start < DEADLINE + MARGIN + 1
+    closed = assert_closed_fast(decode, inflight=3, inflight_timeout=60)
+    assert closed["in_flight_at_close"] == 3, closed
+    assert closed["outcomes"] == ["EngineClosedError"] * 3, closed
+    assert_closed_fast(prefill)  # its inbound peer is unreachable too
+
+
+def test_prefill_restart_at_the_same_address(hosts: tuple[netns.Host, netns.Host],
+                                             children: list[Child]) -> None:
+    """The prefill process dies and a new one (same name, same address, other blocks) takes
+    its place: the decode side's reads fail rather than hang past the deadline, and a plain
+    ``connect()`` to the address then reaches the new incarnation and reads its bytes."""
+    prefill_host, _ = hosts
+    prefill, decode, address = start_pair(hosts, children, "asyncio")
+    assert_read_ok(decode)
+    name = prefill.ready["name"]
+    os.kill(prefill.proc.pid, signal.SIGKILL)
+    prefill.proc.wait(timeout=10)
+    failed = decode.call(op="read", n=4, timeout=DEADLINE)
+    assert not failed["ok"], failed
+    assert failed["error"] in {"TransferTimeoutError", "PeerDisconnectedError", "TransferError"}, failed
+    assert failed["seconds"] < DEADLINE + MARGIN, failed
+    reborn = Child(prefill_host, "prefill", name, backend="asyncio", seed=8, listen=address)
+    children.append(reborn)
+    assert reborn.wait_ready()["address"] == address
+    assert decode.call(op="expect", seed=8)["ok"]
+    again = decode.call(op="connect", address=address, timeout=20)
+    assert again["ok"], again
+    result = decode.call(op="read", n=4, timeout=10)
+    assert result["ok"], f"connect() after the restart gave a peer that does not work: {result}"
+    assert result["match"], "read the old incarnation's bytes, or garbage"
+    assert_closed_fast(decode)
+    assert_closed_fast(reborn)
