@@ -1,0 +1,106 @@
+"""Start the example servers as child processes and wait until they serve, with a deadline.
+
+Used by ``examples.serve``, the test and the load script. Each child's stdout and stderr go
+to one log file; the child prints a JSON ``ready`` line there once it accepts requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServerProcess:
+    """One running example server."""
+
+    role: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+    @property
+    def port(self) -> int:
+        return int(self.info["port"])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no shutdown code runs in the child."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, grace: float = 8.0) -> int:
+        """SIGTERM (uvicorn shuts down, the engine closes), SIGKILL after ``grace`` seconds."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def start(role: str, args: list[str], log_path: Path, ready_timeout: float = 60.0,
+          env: dict[str, str] | None = None) -> ServerProcess:
+    """Run ``python -m examples.<role>_server ARGS`` and wait for its ready line.
+
+    Raises RuntimeError, with the log's tail, if it exits or is not ready in time; the
+    child is killed then.
+    """
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")]))
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        offset = log.seek(0, os.SEEK_END)  # a restarted server appends to its old log
+        proc = subprocess.Popen([sys.executable, "-m", f"examples.{role}_server", *args], cwd=ROOT,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env)
+    server = ServerProcess(role, proc, log_path)
+    try:
+        server.info = _wait_ready(server, offset, time.monotonic() + ready_timeout)
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+def _wait_ready(server: ServerProcess, offset: int, deadline: float) -> dict[str, Any]:
+    while True:
+        with server.log_path.open("rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+        for line in reversed(text.splitlines()):
+            if line.startswith('{"ready"'):
+                info: dict[str, Any] = json.loads(line)
+                if info.get("role") == server.role:
+                    return info
+        if not server.alive():
+            raise RuntimeError(f"{server.role} server exited with {server.proc.returncode}:\n"
+                               f"{server.log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.role} server not ready in time:\n{server.log_tail()}")
+        time.sleep(0.05)
