@@ -1,4 +1,4 @@
-"""Command line: ``aionixl demo`` (the main job for now)."""
+"""Command line: ``aionixl demo`` and ``aionixl bench``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--block-bytes", type=int, default=16 * 1024)
     demo.add_argument("--rounds", type=int, default=2000)
     demo.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    bench = sub.add_parser("bench", help="benchmark aionixl against bare NIXL, a threaded-connector "
+                           "model and memcpy (two processes on loopback)")
+    from ._bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
     serve = sub.add_parser("_demo-serve", help=argparse.SUPPRESS)
     for name in ("layers", "blocks", "block_bytes", "seed"):
         serve.add_argument(name, type=int)
@@ -29,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     # NIXL's Python layer logs each agent creation at INFO to stdout; keep the output ours.
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
+    if args.command == "bench":
+        from . import _bench
+
+        return _bench.main(args)
     if args.command == "_demo-serve":
         anyio.run(_demo.serve, args.layers, args.blocks, args.block_bytes, args.seed)
         return 0

@@ -1,0 +1,333 @@
+"""``aionixl bench``: aionixl against bare NIXL, a threaded-connector model and memcpy.
+
+Two processes on loopback: this one is the decode side (every contender reads into the same
+cache here), a child is the prefill side (``benchmarks/contenders/target.py``: aionixl
+engines on a cache with a known pattern, progressed tightly while measuring). The contenders
+that need raw NIXL calls or threads live under ``benchmarks/`` of the source checkout and are
+loaded from there. Progress goes to stderr, the tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+
+from ._context import Context, Progress
+from ._memory import KVMemory, cuda_problem
+from ._report import CONTENDERS, ORDER, build_measures, build_targets, plot, tables
+from ._spec import Spec, default_spec, quick_spec
+from ._target import Target, TargetError
+
+
+class BenchError(Exception):
+    """A problem with the run's set-up, reported as one line (exit code 2)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="CI-sized run (same measures, fewer repeats)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: the 'bench' extra)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: DRAM regions; cuda: VRAM on both sides, plus host<->device")
+    p.add_argument("--layers", type=int, help="layers (regions = 2 x layers); default 4")
+    p.add_argument("--blocks", type=int, help="blocks per region; default 1024")
+    p.add_argument("--block-bytes", type=int, help="bytes per block per region; default 16384")
+    p.add_argument("--repeats", type=int, help="repeats per timed loop; default 9 (quick: 3)")
+    p.add_argument("--peers", type=int, help="prefill engines (peers for the close measure); default 8")
+    p.add_argument("--step-ms", type=float, help="the threaded model's engine step; default 1.0")
+    p.add_argument("--contenders", default=",".join(ORDER),
+                   help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument("--ucx-tls", metavar="LIST",
+                   help="UCX_TLS for both processes (default: UCX's own choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
+def make_spec(args: argparse.Namespace) -> Spec:
+    spec = quick_spec() if args.quick else default_spec()
+    changes: dict[str, Any] = {"device": args.device}
+    for name in ("layers", "blocks", "block_bytes", "repeats", "peers"):
+        value = getattr(args, name)
+        if value is not None:
+            changes[name] = value
+    if args.step_ms is not None:
+        changes["step_s"] = args.step_ms / 1e3
+    return replace(spec, **changes)
+
+
+def benchmarks_dir() -> Path:
+    import aionixl
+
+    return Path(aionixl.__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise BenchError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _machine(spec: Spec, ucx_tls: str | None) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    uname = platform.uname()
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(), "platform": f"{uname.system} {uname.release} {uname.machine}",
+        "processor": _cpu_model(), "python": platform.python_version(), "nixl": ver("nixl"),
+        "anyio": ver("anyio"), "trio": ver("trio"), "numpy": ver("numpy"),
+        "ucx_tls": ucx_tls or os.environ.get("UCX_TLS") or "UCX default",
+        "load_average_at_start": list(os.getloadavg()),
+    }
+    if spec.device == "cuda":
+        from ._memory import _torch
+
+        info["gpu"] = str(_torch().cuda.get_device_name())
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _finite(samples: dict[str, Any]) -> None:
+    for key, vals in samples.items():
+        if key != "info" and not all(isinstance(v, float) and math.isfinite(v) for v in vals):
+            samples[key] = [float(v) for v in vals if math.isfinite(float(v))]
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    try:
+        return _run(args)
+    except BenchError as exc:
+        print(f"aionixl bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("aionixl bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    spec = make_spec(args)
+    problems = spec.problems()
+    if problems:
+        raise BenchError("; ".join(problems))
+    chosen = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in CONTENDERS]
+    if unknown or not chosen:
+        raise BenchError(f"unknown contender(s) {unknown}; choose from {','.join(ORDER)}")
+    if spec.device == "cuda":
+        why = cuda_problem()
+        if why is not None:
+            raise BenchError(f"--device cuda needs a CUDA GPU: {why}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BenchError("--plot needs matplotlib: pip install 'aionixl[bench]'") from None
+    if "trio" in chosen:
+        try:
+            import trio  # noqa: F401
+        except ImportError:
+            raise BenchError("the trio contender needs trio (pip install trio), or leave it out "
+                             "with --contenders") from None
+    bench = benchmarks_dir()
+    needed = [bench / "contenders" / "target.py", bench / "contenders" / "bare_nixl.py",
+              bench / "contenders" / "threaded.py", bench / "baselines" / "threaded_connector.py"]
+    missing = [str(p) for p in needed if not p.is_file()]
+    if missing:
+        raise BenchError("this needs the benchmarks/ folder of an aionixl source checkout (an editable "
+                         f"install, pip install -e .); missing: {', '.join(missing)}")
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls
+
+    progress = Progress(not args.no_progress)
+    machine = _machine(spec, args.ucx_tls)
+    progress(f"starting the prefill process ({spec.peers} engines)")
+    target = Target(bench / "contenders" / "target.py", spec.layers, spec.blocks, spec.block_bytes,
+                    spec.device, spec.peers)
+    raw: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    try:
+        local = KVMemory(spec.regions, spec.blocks, spec.block_bytes, spec.device)
+        host = KVMemory(spec.regions, spec.blocks, spec.block_bytes, "cpu") if spec.device == "cuda" else None
+        ctx: Context | None = None
+        source: KVMemory | None = None
+        if "memcpy" in chosen:
+            source = KVMemory(spec.regions, spec.blocks, spec.block_bytes, spec.device)
+            source.fill_pattern()
+        try:
+            target.wait_ready()
+        except TargetError as exc:
+            raise BenchError(str(exc)) from None
+        ctx = Context(spec, local, target, progress, host)
+        ctx.reference_factory = _references(ctx, bench, chosen, source, errors)
+        for name in [c for c in ORDER if c in chosen]:
+            try:
+                raw[name] = _run_one(name, ctx, bench, source)
+                _finite(raw[name])
+            except Exception as exc:
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                progress.done()
+                print(f"aionixl bench: the {CONTENDERS[name][0]} contender failed:", file=sys.stderr)
+                traceback.print_exc()
+                try:
+                    target.spin()
+                except TargetError:
+                    break
+            gc.collect()
+    finally:
+        progress("stopping the prefill process")
+        target.stop()
+        progress.done()
+
+    elapsed = time.perf_counter() - started
+    report = _report(spec, machine, chosen, raw, errors, elapsed)
+    report["started_at"] = started_at
+    print(report["headline"])
+    for line in report["notes"]:
+        print(line)
+    print()
+    print(tables(report))
+    if errors:
+        print()
+        for name, err in errors.items():
+            print(f"FAILED: {CONTENDERS[name][0]}: {err}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(report, args.plot)
+    return 1 if errors else 0
+
+
+def _run_one(name: str, ctx: Context, bench: Path, source: KVMemory | None) -> dict[str, Any]:
+    if name == "memcpy":
+        from . import _memcpy
+
+        assert source is not None
+        ctx.rest()  # no NIXL here: give the copies a quiet machine (a conservative limit)
+        try:
+            return _memcpy.run(ctx, source)
+        finally:
+            ctx.spin()
+    if name == "bare":
+        result: dict[str, Any] = _load(bench / "contenders" / "bare_nixl.py", "aionixl_bench_bare").run(ctx)
+        return result
+    if name == "threaded":
+        result = _load(bench / "contenders" / "threaded.py", "aionixl_bench_threaded").run(ctx)
+        return result
+    from . import _aionixl
+
+    out: dict[str, Any] = anyio.run(_aionixl.run, ctx, name, backend=name)
+    return out
+
+
+class _References:
+    def __init__(self, parts: list[Any], pairs: dict[str, Any]) -> None:
+        self._parts = parts
+        self.pairs = pairs
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+
+def _references(ctx: Context, bench: Path, chosen: list[str], source: KVMemory | None,
+                errors: dict[str, str]) -> Any:
+    """What aionixl alternates with for its paired ratios: bare NIXL loops and memcpy."""
+
+    def make() -> _References | None:
+        parts: list[Any] = []
+        pairs: dict[str, Any] = {}
+        if "bare" in chosen and "bare" not in errors:
+            module = sys.modules.get("aionixl_bench_bare") or _load(bench / "contenders" / "bare_nixl.py",
+                                                                      "aionixl_bench_bare")
+            ref = module.reference(ctx)
+            parts.append(ref)
+            pairs.update(ref.pairs)
+        if "memcpy" in chosen and source is not None:
+            from . import _memcpy
+
+            pairs["bulk"] = _memcpy.bulk_reference(ctx, source)
+        return _References(parts, pairs) if pairs else None
+
+    return make
+
+
+def _report(spec: Spec, machine: dict[str, Any], chosen: list[str],
+            raw: dict[str, dict[str, Any]], errors: dict[str, str], elapsed: float) -> dict[str, Any]:
+    kind = "VRAM" if spec.device == "cuda" else "DRAM"
+    headline = (f"aionixl bench{' --quick' if spec.quick else ''}: {spec.layers} layers x K/V = "
+                f"{spec.regions} {kind} regions of {spec.blocks} blocks x {spec.block_bytes // 1024} KiB "
+                f"({spec.bytes_per_block_id // 1024} KiB per block id); {machine['cpus']} CPUs "
+                f"({machine['processor']}), UCX transports: {machine['ucx_tls']}; {elapsed:.1f} s")
+    wake_n = {c: len(raw.get(c, {}).get("wake", [])) for c in ("asyncio", "trio")}
+    notes = [
+        f"  prefill side: {spec.peers} aionixl engines in a child process, NIXL progressed on every "
+        "event-loop turn while measuring (resting while connect and idle CPU are measured)",
+        f"  medians over {spec.repeats} repeats; threaded model = a MODEL of the thread-based connector "
+        f"design, engine step {spec.step_s * 1e3:g} ms; bytes verified for every contender",
+        f"  completion-to-wake samples: asyncio {wake_n['asyncio']}, trio {wake_n['trio']} (over UCX tcp; "
+        "on the default transport short reads finish inside the post and never reach the poller)",
+    ]
+    config = asdict(spec)
+    config["seq"] = {str(k): v for k, v in spec.seq.items()}
+    config.update(regions=spec.regions, bytes_per_block_id=spec.bytes_per_block_id,
+                  bulk_blocks=spec.bulk_blocks,
+                  target_progress="tight loop: every prefill agent's get_notifs on every event-loop turn")
+    ms = build_measures(spec, raw)
+    paired: dict[str, dict[str, list[float]]] = {
+        c: raw[c].get("info", {}).get("paired", {}) for c in ("asyncio", "trio") if c in raw}
+    contenders = {c: {"label": CONTENDERS[c][0], "description": CONTENDERS[c][1], "ok": c in raw,
+                      "error": errors.get(c)} for c in ORDER if c in chosen}
+    return {
+        "schema": "aionixl-bench/1",
+        "headline": headline,
+        "notes": notes,
+        "command": ["aionixl", "bench", *sys.argv[2:]] if len(sys.argv) > 1 else ["aionixl", "bench"],
+        "started_at": "",
+        "elapsed_s": elapsed,
+        "machine": machine,
+        "config": {k: (v if not isinstance(v, tuple) else list(v)) for k, v in config.items()},
+        "contenders": contenders,
+        "measures": ms,
+        "targets": build_targets(spec, ms, paired),
+        "info": {c: raw[c].get("info", {}) for c in raw},
+    }
+
+
+__all__ = ["add_arguments", "main"]

@@ -1,0 +1,178 @@
+"""KV-cache-shaped memory for the benchmark: regions, a checkable byte pattern, descriptors.
+
+A cache is ``2 * layers`` regions (K and V per layer), each ``[blocks, block_bytes]`` bytes,
+in DRAM (numpy) or VRAM (torch on CUDA). The prefill side fills block ``b`` of region ``r``
+with 64-bit words that encode ``(r, b, word index)``, so a block read into the wrong place,
+or not at all, fails :meth:`KVMemory.check`.
+
+Nothing here calls NIXL; the bare-NIXL and threaded contenders get plain descriptor arrays
+from :func:`block_descriptors` and :func:`registration_spans`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+_SEED = 0x5A17  # mixed into every word so that zeroed memory never passes
+
+
+def _torch() -> Any:
+    return importlib.import_module("torch")
+
+
+def cuda_problem() -> str | None:
+    """Why ``--device cuda`` cannot run here, or None when it can."""
+    try:
+        torch = _torch()
+    except ImportError as exc:
+        return f"torch is not importable ({exc})"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    return None
+
+
+def expected_words(region: int, blocks: npt.NDArray[np.int64], words: int) -> U64:
+    """The pattern words of ``blocks`` of ``region``: shape ``[len(blocks), words]``."""
+    b = blocks.astype(np.uint64).reshape(-1, 1) << np.uint64(24)
+    w = np.arange(words, dtype=np.uint64).reshape(1, -1)
+    return (b | w | (np.uint64(region) << np.uint64(48))) ^ np.uint64(_SEED)
+
+
+class KVMemory:
+    """The regions of one side, on ``device`` ("cpu" or "cuda")."""
+
+    def __init__(self, regions: int, blocks: int, block_bytes: int, device: str = "cpu") -> None:
+        if block_bytes % 8:
+            raise ValueError("block_bytes must be a multiple of 8")
+        self.num_regions = regions
+        self.num_blocks = blocks
+        self.block_bytes = block_bytes
+        self.device = device
+        self.regions: list[Any]
+        if device == "cpu":
+            # Written once so that every page is mapped before anything is timed (np.zeros
+            # would leave the first contender to pay the page faults).
+            self.regions = [np.empty((blocks, block_bytes), np.uint8) for _ in range(regions)]
+            for region in self.regions:
+                region.fill(0)
+            self.mem_type = "DRAM"
+            self.device_id = 0
+        elif device == "cuda":
+            torch = _torch()
+            self.regions = [torch.zeros((blocks, block_bytes), dtype=torch.uint8, device="cuda")
+                            for _ in range(regions)]
+            self.mem_type = "VRAM"
+            self.device_id = int(torch.cuda.current_device())
+        else:
+            raise ValueError(f"unknown device {device!r} (cpu or cuda)")
+
+    @property
+    def bytes_per_block_id(self) -> int:
+        return self.num_regions * self.block_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_regions * self.num_blocks * self.block_bytes
+
+    def bases(self) -> list[int]:
+        if self.device == "cpu":
+            return [int(r.ctypes.data) for r in self.regions]
+        return [int(r.data_ptr()) for r in self.regions]
+
+    def layout(self) -> dict[str, Any]:
+        """Where the blocks are, as JSON-able data (what a handshake would carry)."""
+        return {"bases": self.bases(), "stride": self.block_bytes, "block_bytes": self.block_bytes,
+                "num_blocks": self.num_blocks, "mem_type": self.mem_type, "device": self.device_id}
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            _torch().cuda.synchronize()
+
+    # ---- the pattern --------------------------------------------------------------------
+
+    def fill_pattern(self) -> None:
+        words = self.block_bytes // 8
+        every = np.arange(self.num_blocks, dtype=np.int64)
+        for r, region in enumerate(self.regions):
+            values = expected_words(r, every, words)
+            if self.device == "cpu":
+                region.view(np.uint64)[:] = values
+            else:
+                torch = _torch()
+                region.view(torch.int64).copy_(torch.from_numpy(values.view(np.int64)))
+        self.sync()
+
+    def clear(self, ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> None:
+        index = np.asarray(ids, dtype=np.int64)
+        for region in self.regions:
+            if self.device == "cpu":
+                region[index] = 0
+            else:
+                region[_torch().from_numpy(index).to(region.device)] = 0
+        self.sync()
+
+    def check(self, local_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+              remote_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bool:
+        """True when our blocks ``local_ids`` hold the prefill pattern of ``remote_ids``."""
+        local = np.asarray(local_ids, dtype=np.int64)
+        remote = np.asarray(remote_ids, dtype=np.int64)
+        words = self.block_bytes // 8
+        self.sync()
+        for r, region in enumerate(self.regions):
+            want = expected_words(r, remote, words)
+            if self.device == "cpu":
+                got = region[local].view(np.uint64)
+            else:
+                torch = _torch()
+                got = region[torch.from_numpy(local).to(region.device)].cpu().numpy().view(np.uint64)
+            if not np.array_equal(got, want):
+                return False
+        return True
+
+    def fill_expected(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
+        """Put the prefill pattern of ``remote_ids`` into our ``local_ids`` (for writes that
+        must leave the prefill side's contents unchanged)."""
+        words = self.block_bytes // 8
+        remote = np.asarray(remote_ids, dtype=np.int64)
+        for r, region in enumerate(self.regions):
+            values = expected_words(r, remote, words)
+            for i, b in enumerate(local_ids):
+                if self.device == "cpu":
+                    region[b].view(np.uint64)[:] = values[i]
+                else:
+                    torch = _torch()
+                    region[b].view(torch.int64).copy_(torch.from_numpy(values[i].view(np.int64)))
+        self.sync()
+
+
+def block_descriptors(layout: dict[str, Any]) -> U64:
+    """One (address, length, device) row per block, region-major: row ``r * blocks + b``."""
+    blocks = int(layout["num_blocks"])
+    rows = []
+    for base in layout["bases"]:
+        d = np.empty((blocks, 3), dtype=np.uint64)
+        d[:, 0] = np.uint64(base) + np.arange(blocks, dtype=np.uint64) * np.uint64(layout["stride"])
+        d[:, 1] = layout["block_bytes"]
+        d[:, 2] = layout["device"]
+        rows.append(d)
+    return np.concatenate(rows)
+
+
+def registration_spans(layout: dict[str, Any]) -> U64:
+    """One (address, length, device) row per region, for ``register_memory``."""
+    size = int(layout["num_blocks"]) * int(layout["stride"])
+    return np.array([[base, size, layout["device"]] for base in layout["bases"]], dtype=np.uint64)
+
+
+def descriptor_indices(ids: Sequence[int] | npt.NDArray[np.integer[Any]], num_regions: int,
+                       num_blocks: int) -> npt.NDArray[np.int32]:
+    """Descriptor indices of block ``ids`` in every region, region-major, as int32."""
+    arr = np.asarray(ids, dtype=np.int32).reshape(1, -1)
+    offsets = (np.arange(num_regions, dtype=np.int32) * np.int32(num_blocks)).reshape(-1, 1)
+    return (offsets + arr).ravel()

@@ -1,0 +1,93 @@
+"""What one ``aionixl bench`` run measures, and how much of it: the default and ``--quick``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+MiB = 1 << 20
+
+
+def _seq_default() -> dict[int, int]:
+    return {1: 3000, 16: 300, 256: 12}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spec:
+    """Sizes and counts. Times in seconds."""
+
+    layers: int = 4
+    blocks: int = 1024
+    block_bytes: int = 16 * 1024
+    device: str = "cpu"
+    #: Repeats of each timed loop; medians and spread are over these.
+    repeats: int = 9
+    #: Transfers per repeat for each sequential size (blocks per transfer -> count).
+    seq: dict[int, int] = field(default_factory=_seq_default)
+    #: Sizes also measured with scattered (random, distinct) block ids.
+    scattered: tuple[int, ...] = (16, 256)
+    inflight: tuple[int, ...] = (64, 256, 1024)
+    bulk_bytes: int = 16 * MiB
+    bulk_count: int = 20
+    connect_count: int = 20
+    peers: int = 8
+    close_inflight: int = 64
+    close_blocks: int = 16  # blocks per transfer in flight at close
+    close_repeats: int = 3
+    wake_count: int = 200
+    idle_windows: int = 3
+    idle_window_s: float = 0.5
+    idle_settle_s: float = 0.5
+    lag_workers: int = 64
+    lag_window_s: float = 0.4
+    lag_windows: int = 3
+    lag_tick_s: float = 0.001
+    #: The threaded model's engine step (its transfers are polled once per step).
+    step_s: float = 0.001
+    #: Per repeat, the threaded model runs at most this long in a sequential loop.
+    threaded_repeat_budget_s: float = 0.1
+    quick: bool = False
+
+    @property
+    def regions(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def bytes_per_block_id(self) -> int:
+        return self.regions * self.block_bytes
+
+    @property
+    def slow_tls(self) -> str:
+        """UCX_TLS for the measures that need transfers to stay in flight (close, wake):
+        tcp only, plus cuda_copy on GPUs so that VRAM can be staged through the host."""
+        return "tcp,cuda_copy" if self.device == "cuda" else "tcp"
+
+    @property
+    def bulk_blocks(self) -> int:
+        return max(1, self.bulk_bytes // self.bytes_per_block_id)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.layers < 1 or self.blocks < 1 or self.block_bytes < 8 or self.block_bytes % 8:
+            out.append("--layers and --blocks must be >= 1, --block-bytes a multiple of 8")
+        need = max([*self.seq, *self.scattered, *self.inflight, self.bulk_blocks, self.close_blocks,
+                    self.lag_workers])
+        if self.blocks < need:
+            out.append(f"--blocks must be at least {need} for this run (1024 in flight, 256-block "
+                       "transfers, 16 MiB transfers)")
+        if self.peers < 1:
+            out.append("--peers must be at least 1")
+        if self.step_s < 0:
+            out.append("--step-ms must be >= 0")
+        return out
+
+
+def default_spec() -> Spec:
+    return Spec()
+
+
+def quick_spec() -> Spec:
+    """CI-sized: same shapes and measures, fewer repeats and shorter windows."""
+    return replace(Spec(), repeats=3, seq={1: 600, 16: 60, 256: 4}, bulk_count=6, connect_count=8,
+                   close_repeats=1, wake_count=60, idle_windows=2, idle_window_s=0.25,
+                   idle_settle_s=0.3, lag_window_s=0.2, lag_windows=1,
+                   threaded_repeat_budget_s=0.04, quick=True)

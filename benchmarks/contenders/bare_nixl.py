@@ -1,0 +1,251 @@
+"""Bare NIXL, the ceiling: synchronous loops straight on NIXL's Python API.
+
+One agent with the progress thread off, the same memory as every other contender, reading
+from prefill unit 0 (which the benchmark's target process keeps progressed). Sequential:
+``make_prepped_xfer`` / ``transfer`` / ``check_xfer_state`` until DONE /
+``release_xfer_handle``, one transfer at a time. Batched (the in-flight measures): post N,
+then poll all of them until every one is DONE, then release them. Index arrays are built
+before the clock starts. One extra row, ``seq_1_raw``, runs the one-block loop on the bound
+``nixlAgent`` itself (makeXferReq / postXferReq / getXferStatus / releaseXferReq), without
+the wrapper's per-call handle objects: that is what aionixl calls, so it is the true floor.
+Loaded by ``aionixl bench``; ``run(ctx)`` returns samples per measure.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+try:
+    from nixl._api import nixl_agent, nixl_agent_config
+except ImportError as exc:  # pragma: no cover - reported by the harness
+    raise ImportError(f"the bare-NIXL contender needs nixl: {exc}") from exc
+
+
+class BareNixl:
+    def __init__(self, ctx: Any, name: str, memory: Any, ucx_tls: str | None = None) -> None:
+        with ctx.ucx_env(ucx_tls):
+            self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.ctx = ctx
+        self.memory = memory
+        layout = memory.layout()
+        from aionixl._bench._memory import block_descriptors, registration_spans
+
+        self._block_descriptors = block_descriptors
+        self._reg = self.agent.register_memory(registration_spans(layout), layout["mem_type"])
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(layout),
+                                                layout["mem_type"])
+        self.unit = ctx.units[0]
+        self.remote_name = ""
+        self.remote: Any = None
+        self._connect()
+
+    def _connect(self) -> None:
+        name = self.agent.add_remote_agent(self.unit.metadata)
+        self.remote_name = name.decode() if isinstance(name, bytes) else str(name)
+        layout = self.ctx.remote_layout
+        self.remote = self.agent.prep_xfer_dlist(self.remote_name, self._block_descriptors(layout),
+                                                 layout["mem_type"])
+        self.agent.make_connection(self.remote_name)
+
+    def _disconnect(self) -> None:
+        self.remote.release()
+        self.agent.remove_remote_agent(self.remote_name)
+
+    def reconnect_seconds(self) -> float:
+        """Disconnect, then time add_remote_agent + prep_xfer_dlist + make_connection
+        (the metadata is already in hand: no handshake at all)."""
+        self._disconnect()
+        t = time.perf_counter()
+        self._connect()
+        return time.perf_counter() - t
+
+    def one(self, local_idx: np.ndarray, remote_idx: np.ndarray, op: str = "READ") -> None:
+        agent = self.agent
+        handle = agent.make_prepped_xfer(op, self.local, local_idx, self.remote, remote_idx)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"bare NIXL transfer failed: {state}")
+        agent.release_xfer_handle(handle)
+
+    def seq(self, pairs: list[tuple[np.ndarray, np.ndarray]], n: int, op: str = "READ") -> float:
+        """Mean seconds per transfer over ``n`` sequential transfers cycling through ``pairs``."""
+        agent, local, remote = self.agent, self.local, self.remote
+        k = len(pairs)
+        t = time.perf_counter()
+        for i in range(n):
+            li, ri = pairs[i % k]
+            handle = agent.make_prepped_xfer(op, local, li, remote, ri)
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"bare NIXL transfer failed: {state}")
+            agent.release_xfer_handle(handle)
+        return (time.perf_counter() - t) / n
+
+    def seq_raw(self, pairs: list[tuple[np.ndarray, np.ndarray]], n: int) -> float:
+        """As :meth:`seq`, straight on the bound ``nixlAgent`` (no wrapper objects per call):
+        the four calls aionixl itself makes per short transfer."""
+        from nixl._bindings import NIXL_IN_PROG, NIXL_READ, NIXL_SUCCESS
+
+        raw = self.agent.agent
+        local, remote = self.local._handle, self.remote._handle
+        k = len(pairs)
+        t = time.perf_counter()
+        for i in range(n):
+            li, ri = pairs[i % k]
+            handle = raw.makeXferReq(NIXL_READ, local, li, remote, ri, b"", [], False)
+            status = raw.postXferReq(handle, b"")
+            while status == NIXL_IN_PROG:
+                status = raw.getXferStatus(handle)
+            if status != NIXL_SUCCESS:
+                raise RuntimeError(f"bare NIXL (raw) transfer failed: {status}")
+            raw.releaseXferReq(handle)
+        return (time.perf_counter() - t) / n
+
+    def batched(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> float:
+        """Post every transfer, poll them all until DONE, release: mean seconds per transfer."""
+        agent, local, remote = self.agent, self.local, self.remote
+        t = time.perf_counter()
+        handles = []
+        pending = []
+        for li, ri in pairs:
+            handle = agent.make_prepped_xfer("READ", local, li, remote, ri)
+            state = agent.transfer(handle)
+            handles.append(handle)
+            if state == "PROC":
+                pending.append(handle)
+            elif state != "DONE":
+                raise RuntimeError(f"bare NIXL transfer failed: {state}")
+        while pending:
+            still = []
+            for handle in pending:
+                state = agent.check_xfer_state(handle)
+                if state == "PROC":
+                    still.append(handle)
+                elif state != "DONE":
+                    raise RuntimeError(f"bare NIXL transfer failed: {state}")
+            pending = still
+        for handle in handles:
+            agent.release_xfer_handle(handle)
+        return (time.perf_counter() - t) / len(pairs)
+
+    def close(self) -> None:
+        self._disconnect()
+        self.local.release()
+        self.agent.deregister_memory(self._reg)
+        self.agent = None
+
+
+def _indexed(ctx: Any, pairs: list[tuple[Any, Any]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(ctx.local_indices(l_ids), ctx.remote_indices(r_ids)) for l_ids, r_ids in pairs]
+
+
+def _verify(ctx: Any, bare: BareNixl, memory: Any = None) -> None:
+    ctx.clear_verify_set(memory)
+    loc, rem = ctx.verify_set
+    bare.one(ctx.local_indices(loc), ctx.remote_indices(rem))
+    if not ctx.check_verify_set(memory):
+        raise RuntimeError("bare NIXL: the bytes read do not match the prefill pattern")
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    spec = ctx.spec
+    out: dict[str, Any] = {}
+    ctx.spin()
+    ctx.progress("bare NIXL: agent, connection")
+    bare = BareNixl(ctx, ctx.unique("bare"), ctx.local)
+    try:
+        bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))  # wire-up
+        _verify(ctx, bare)
+        for nblocks, count in spec.seq.items():
+            pairs = _indexed(ctx, ctx.workload("contiguous", nblocks))
+            out[f"seq_{nblocks}"] = ctx.timed_repeats(
+                f"bare NIXL: {nblocks}-block reads", lambda p=pairs, n=count: bare.seq(p, n))
+        one = _indexed(ctx, ctx.workload("contiguous", 1))
+        out["seq_1_raw"] = ctx.timed_repeats(
+            "bare NIXL: 1-block reads on the raw bindings", lambda: bare.seq_raw(one, spec.seq[1]))
+        for nblocks in spec.scattered:
+            pairs = _indexed(ctx, ctx.workload("scattered", nblocks))
+            count = spec.seq.get(nblocks, 10)
+            out[f"scattered_{nblocks}"] = ctx.timed_repeats(
+                f"bare NIXL: {nblocks} scattered blocks", lambda p=pairs, n=count: bare.seq(p, n))
+        for count in spec.inflight:
+            pairs = _indexed(ctx, ctx.one_block_pairs(count))
+            out[f"inflight_{count}"] = ctx.timed_repeats(
+                f"bare NIXL: {count} in flight (batched loop)", lambda p=pairs: bare.batched(p))
+        bulk = _indexed(ctx, ctx.workload("contiguous", spec.bulk_blocks))
+        nbytes = spec.bulk_blocks * spec.bytes_per_block_id
+        out["bulk"] = [nbytes / s for s in ctx.timed_repeats(
+            "bare NIXL: 16 MiB reads", lambda: bare.seq(bulk, spec.bulk_count))]
+        _verify(ctx, bare)
+        ctx.rest()
+        ctx.progress("bare NIXL: reconnects")
+        out["connect"] = [bare.reconnect_seconds() for _ in range(spec.connect_count)]
+        ctx.spin()
+        bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))
+        _verify(ctx, bare)
+    finally:
+        bare.close()
+    if ctx.host is not None:
+        out.update(_host_device(ctx))
+    out["info"] = {"verified": True}
+    return out
+
+
+def _host_device(ctx: Any) -> dict[str, list[float]]:
+    """--device cuda: DRAM here <-> VRAM on the prefill side, 16 MiB at a time."""
+    spec = ctx.spec
+    bare = BareNixl(ctx, ctx.unique("bare-host"), ctx.host)
+    out: dict[str, list[float]] = {}
+    try:
+        bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))
+        _verify(ctx, bare, ctx.host)
+        pairs = ctx.workload("contiguous", spec.bulk_blocks)
+        nbytes = spec.bulk_blocks * spec.bytes_per_block_id
+        indexed = _indexed(ctx, pairs)
+        out["bulk_d2h"] = [nbytes / s for s in ctx.timed_repeats(
+            "bare NIXL: 16 MiB device->host reads", lambda: bare.seq(indexed, spec.bulk_count))]
+        loc, rem = pairs[0]
+        ctx.host.fill_expected(list(loc), list(rem))  # writing these back leaves the target intact
+        write = _indexed(ctx, [pairs[0]])
+        out["bulk_h2d"] = [nbytes / s for s in ctx.timed_repeats(
+            "bare NIXL: 16 MiB host->device writes", lambda: bare.seq(write, spec.bulk_count, "WRITE"))]
+    finally:
+        bare.close()
+    return out
+
+
+class Reference:
+    """Bare-NIXL loops for aionixl to alternate with, repeat by repeat (paired ratios).
+
+    ``pairs`` maps a measure key to a callable returning one sample (seconds per transfer)
+    on exactly the workload the aionixl contender runs for that key.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        spec = ctx.spec
+        self.bare = BareNixl(ctx, ctx.unique("bare-ref"), ctx.local)
+        bare = self.bare
+        bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))  # wire-up
+        _verify(ctx, bare)
+        one = _indexed(ctx, ctx.workload("contiguous", 1))
+        in64 = _indexed(ctx, ctx.one_block_pairs(64))
+        n1 = spec.seq[1]
+        self.pairs = {
+            "seq_1": lambda: bare.seq(one, n1),
+            "seq_1_raw": lambda: bare.seq_raw(one, n1),
+            "inflight_64": lambda: bare.batched(in64),
+        }
+
+    def close(self) -> None:
+        self.bare.close()
+
+
+def reference(ctx: Any) -> Reference:
+    return Reference(ctx)
