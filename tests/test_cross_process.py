@@ -8,6 +8,7 @@ leaves our transfer in flight for as long as it stays stopped.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -274,3 +275,31 @@ async def test_a_peer_that_dies_while_idle_is_found_by_the_probe(peer_process_fa
         live = eng.live_resources()
         assert live["remote_agents"] == 0 and live["dlists"] == 1  # only our own
     assert zero_resources(eng)
+
+
+@pytest.mark.parametrize("transport", ["default", "tcp"])
+async def test_a_killed_client_restarted_under_its_name_replaces_the_old_one_at_once(
+        peer_process_factory: Any, transport: str) -> None:
+    """The old incarnation died without a goodbye and no probe has run yet: the listener
+    drops it and loads the new one in one step (NIXL's remove_remote_agent followed at once
+    by add_remote_agent for the same name), and both directions work with the new one."""
+    env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
+    config = aionixl.EngineConfig(peer_probe_interval=math.inf)
+    name = unique("decoder")
+    local = numpy_cache(4, 4096, 1)
+    async with aionixl.Engine(unique("pre"), local, config=config) as pre:
+        assert pre.address is not None
+        for incarnation, seed in enumerate((11, 12, 13), start=1):
+            child: PeerProcess = peer_process_factory(seed=seed, num_blocks=4, block_bytes=4096,
+                                                      regions=1, name=name, connect=pre.address,
+                                                      env=env)
+            with anyio.fail_after(20):
+                while pre.stats()["handshakes_accepted"] < incarnation:
+                    await anyio.sleep(0.01)
+            peer = pre.peers[name]
+            await pre.transfer_blocks(peer, [0, 1, 2, 3], [3, 2, 1, 0], timeout=20)
+            assert np.array_equal(local[0], child.expected()[0][::-1])
+            assert pre.live_resources()["remote_agents"] == 1
+            child.proc.kill()
+            child.proc.wait()
+        assert pre.stats()["handshakes_accepted"] == 3

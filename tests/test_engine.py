@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import socket
 import subprocess
@@ -578,8 +579,9 @@ async def test_connect_retries_give_up_on_a_draining_peer_at_the_deadline() -> N
 @pytest.mark.parametrize("transport", ["default", "tcp"])
 async def test_a_restarted_engine_with_the_same_name_replaces_the_old_one(
         transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The listener drops the old incarnation and loads the new one at once (NIXL's
-    remove_remote_agent then add_remote_agent for one name); both directions then work."""
+    """Three incarnations of one name in a row; each says goodbye when it closes, so the
+    listener holds nothing of it afterwards. (Replacing an incarnation that died without a
+    goodbye is in test_cross_process.)"""
     if transport == "tcp":
         monkeypatch.setenv("UCX_TLS", "tcp")
     src_cache = numpy_cache(8, 1024, 2, seed=4)
@@ -601,7 +603,10 @@ async def test_a_restarted_engine_with_the_same_name_replaces_the_old_one(
                 peer = await dec.connect(pre.address, timeout=10)
                 await dec.transfer_blocks(peer, [3], [5], timeout=10)
                 assert np.array_equal(local[0][3], src_cache[0][5])
-            assert pre.live_resources()["remote_agents"] == 1, incarnation
+            with anyio.fail_after(5):
+                while name in pre.peers:
+                    await anyio.sleep(0.01)
+            assert pre.live_resources()["remote_agents"] == 0, incarnation
     assert zero_resources(pre)
 
 
@@ -746,3 +751,40 @@ async def test_a_handshake_secret_admits_only_engines_that_share_it() -> None:
         with pytest.raises(aionixl.HandshakeError, match="without this engine's secret"):
             await dst.connect(open_src.address, timeout=10)
         assert dst.live_resources()["remote_agents"] == 0
+
+
+async def test_a_closing_engine_says_goodbye_and_its_peers_drop_it_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from aionixl._engine import _goodbye
+
+    config = aionixl.EngineConfig(peer_probe_interval=math.inf)  # no probe to find it out
+    async with aionixl.Engine(unique("src"), numpy_cache(seed=1), config=config) as src:
+        assert src.address is not None
+        dst = aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config)
+        async with dst:
+            peer = await dst.connect(src.address, timeout=10)
+            inbound = src.peers[dst.name]
+            assert dst._agent is not None
+            # A goodbye from another incarnation of that name is ignored.
+            dst._agent.send_notif(src.name, _goodbye(b"some other incarnation's metadata"))
+            await dst.send_notification(peer, b"after")
+            await src.wait_notification(b"after", timeout=5)
+            assert dst.name in src.peers
+        with anyio.fail_after(5):
+            while dst.name in src.peers:
+                await anyio.sleep(0.01)
+        assert not inbound.connected
+        with pytest.raises(aionixl.PeerDisconnectedError, match="closed its engine"):
+            await src.transfer_blocks(inbound, [0], [0])
+        assert src.live_resources()["remote_agents"] == 0
+        assert not [r for r in caplog.records if r.name == "aionixl" and r.levelno >= logging.WARNING]
+
+
+async def test_reserved_messages_are_refused() -> None:
+    async with engine_pair(numpy_cache(seed=1), numpy_cache()) as (_, dst, peer):
+        for message in (b"\x00aionixl-probe\x00", b"\x00aionixl-goodbye\x00anything", b"\x00aionixl-"):
+            with pytest.raises(ValueError, match="reserved"):
+                await dst.send_notification(peer, message)
+            with pytest.raises(ValueError, match="x00aionixl"):
+                await dst.transfer_blocks(peer, [0], [0], notify=message)
+        await dst.send_notification(peer, b"\x00aionix")  # a prefix of it is fine
