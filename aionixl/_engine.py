@@ -133,8 +133,12 @@ def _goodbye(metadata: bytes) -> bytes:
     return _GOODBYE + hashlib.sha256(metadata).digest()[:16]
 
 
-#: Longest stretch transfer_blocks may finish transfers inline before it yields to the loop.
-_FAIR_SHARE = 0.002
+#: How long transfer_blocks may finish transfers inline before it yields to the loop: long
+#: while the loop has nothing else to run, short once a yield shows others were waiting
+#: (a yield that takes longer than _CROWDED).
+_SLICE_LONG = 0.002
+_SLICE_SHORT = 0.0001
+_CROWDED = 0.0002
 
 _NEW, _OPEN, _DRAINING, _CLOSING, _CLOSED = "new", "open", "draining", "closing", "closed"
 
@@ -211,6 +215,7 @@ class Engine:
         self._noisy = RateLimitedLog(log)
         self._handshakes_accepted = self._handshakes_rejected = self._peers_evicted = 0
         self._last_yield = 0.0  # perf_counter() when transfer_blocks last went through the loop
+        self._slice = _SLICE_LONG
         #: Benchmarks set a list here to collect, per transfer finished by the poller, the
         #: nanoseconds from the poller seeing its final state to the caller running again.
         self._wake_trace: list[int] | None = None
@@ -882,11 +887,15 @@ class Engine:
         else:
             # Finished inline, without a trip through the event loop. A caller looping on
             # short transfers must still let other tasks run (and be cancellable): yield
-            # once the engine has gone _FAIR_SHARE seconds without doing so.
+            # once the engine has gone one slice without doing so. The slice adapts: long
+            # while yielding finds the loop idle (a lone caller pays little), short once
+            # other tasks were waiting (64 busy callers each get a short turn, not 2 ms).
             now = time.perf_counter()
-            if now - self._last_yield > _FAIR_SHARE:
-                self._last_yield = now
+            if now - self._last_yield > self._slice:
                 await anyio.lowlevel.checkpoint()
+                after = time.perf_counter()
+                self._slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
+                now = self._last_yield = after
         return _new_tuple(TransferResult, (nblocks, nblocks * self._bytes_per_block, now - started))
 
     def _checked_indices(self, peer: Peer, local_blocks: object, remote_blocks: object,
