@@ -27,11 +27,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,26 +37,12 @@ from typing import Any
 import numpy as np
 import zmq
 
+from aionixl._bench._context import Context
+from aionixl._bench._memory import block_descriptors
+
 GET_METADATA = b"get-metadata"
 RECV_TIMEOUT_MS = 1000
 HANDSHAKE_TIMEOUT_MS = 10_000
-
-
-@contextlib.contextmanager
-def ucx_env(tls: str | None) -> Iterator[None]:
-    """Set UCX_TLS while a NIXL agent is created (UCX reads it when the agent starts)."""
-    if tls is None:
-        yield
-        return
-    old = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = tls
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("UCX_TLS", None)
-        else:
-            os.environ["UCX_TLS"] = old
 
 
 def encode_metadata(agent_metadata: bytes, layout: dict[str, Any]) -> bytes:
@@ -141,18 +125,6 @@ class _Recv:
     posted: float
 
 
-def _descriptors(layout: dict[str, Any]) -> np.ndarray:
-    blocks = int(layout["num_blocks"])
-    rows = []
-    for base in layout["bases"]:
-        d = np.empty((blocks, 3), dtype=np.uint64)
-        d[:, 0] = np.uint64(base) + np.arange(blocks, dtype=np.uint64) * np.uint64(layout["stride"])
-        d[:, 1] = layout["block_bytes"]
-        d[:, 2] = layout["device"]
-        rows.append(d)
-    return np.concatenate(rows)
-
-
 def _indices(ids: Any, num_regions: int, num_blocks: int) -> np.ndarray:
     arr = np.asarray(ids, dtype=np.int32).reshape(1, -1)
     offsets = (np.arange(num_regions, dtype=np.int32) * np.int32(num_blocks)).reshape(-1, 1)
@@ -177,7 +149,7 @@ class ThreadedConnector:
         except TypeError:
             kwargs.pop("sync_mode", None)
             config = nixl_agent_config(**kwargs)
-        with ucx_env(ucx_tls):
+        with Context.ucx_env(ucx_tls):
             self.agent = nixl_agent(name, config)
         self.name = name
         self.layout = layout
@@ -187,7 +159,7 @@ class ThreadedConnector:
         spans = np.array([[b, self.num_blocks * int(layout["stride"]), layout["device"]]
                           for b in layout["bases"]], dtype=np.uint64)
         self._reg = self.agent.register_memory(spans, mem_type)
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descriptors(layout), mem_type)
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(layout), mem_type)
         self._listener = MetadataListener(encode_metadata(self.agent.get_agent_metadata(), layout),
                                           recv_timeout_ms=recv_timeout_ms, name=f"{name}-listener")
         self.address = self._listener.address
@@ -223,7 +195,7 @@ class ThreadedConnector:
         remote_name = self.agent.add_remote_agent(metadata)
         if isinstance(remote_name, bytes):
             remote_name = remote_name.decode()
-        dlist = self.agent.prep_xfer_dlist(remote_name, _descriptors(layout), layout["mem_type"])
+        dlist = self.agent.prep_xfer_dlist(remote_name, block_descriptors(layout), layout["mem_type"])
         return RemoteAgent(address, remote_name, dlist, int(layout["num_blocks"]), len(layout["bases"]))
 
     # ---- the engine loop's calls --------------------------------------------------------
