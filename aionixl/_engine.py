@@ -181,6 +181,8 @@ class Engine:
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
         self._inline_polls = config.inline_polls
         self._secret = config.handshake_secret
+        self._own_metadata = b""  # this agent's NIXL metadata, once registered
+        self._replay_guard = proto.ReplayGuard()
         self._mem_type = self._regions[0].mem_type
         self._bytes_per_block = sum(r.block_bytes for r in self._regions)
         self._compat = dict(config.compat)
@@ -315,9 +317,15 @@ class Engine:
         callers get ``EngineClosedError`` and every NIXL resource is released (bounded by
         ``close_timeout``; what could not be released is logged and counted).
         """
-        if drain_timeout is not None and self._state in (_OPEN, _DRAINING) and self._failure is None:
-            with suppress(EngineClosedError):
-                await self.drain(drain_timeout)
+        if drain_timeout is not None:
+            _check_timeout(drain_timeout, "drain_timeout")
+            if self._state in (_OPEN, _DRAINING) and self._failure is None:
+                try:
+                    with suppress(EngineClosedError):
+                        await self.drain(drain_timeout)
+                finally:
+                    await self.aclose()  # closes even when the drain was cancelled
+                return
         if self._state == _NEW:
             self._state = _CLOSED
             self._close_done.set()
@@ -370,6 +378,7 @@ class Engine:
         self._agent.register(registration_spans(self._regions), self._mem_type)
         self._local_dlist = self._agent.prep_dlist(None, block_descriptors(self._regions),
                                                    self._mem_type)
+        self._own_metadata = self._agent.metadata()
 
     async def _run_background(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         try:
@@ -465,7 +474,7 @@ class Engine:
         """Tell every peer we are going, so it drops us now instead of finding out later."""
         if not self._peers:
             return
-        goodbye = _goodbye(agent.metadata())
+        goodbye = _goodbye(self._own_metadata)
         for peer in self._peers.values():
             with suppress(AionixlError):
                 agent.send_notif(peer.name, goodbye)
@@ -590,6 +599,7 @@ class Engine:
         pause = self._config.connect_backoff
         for attempt in range(retries + 1):
             last = attempt == retries
+            self._check_open()  # closed or draining during the last backoff: stop here
             try:
                 if last:
                     return await self._handshake(address)
@@ -610,16 +620,18 @@ class Engine:
                 failed.append(exc)
                 self._noisy.log(logging.INFO, "connect-retry", "handshake with %s failed (%s); retrying",
                           address, exc)
-            await anyio.sleep(pause)
+            with self._operation():  # closing the engine ends the pause with EngineClosedError
+                await anyio.sleep(pause)
             pause = min(pause * 2.0, 1.0)
         raise AssertionError("unreachable")
 
     async def _handshake(self, address: str) -> Peer:
         agent, ctx = self._agent, self._zctx
         assert agent is not None and ctx is not None
-        hello = proto.sign(proto.Hello(proto.PROTOCOL_VERSION, self._name, agent.metadata(),
-                                       [proto.RegionInfo.of(r) for r in self._regions],
-                                       self._compat, self._compat_hash), self._secret)
+        nonce = proto.new_nonce() if self._secret is not None else b""
+        hello = proto.Hello(proto.PROTOCOL_VERSION, self._name, self._own_metadata,
+                            [proto.RegionInfo.of(r) for r in self._regions], self._compat,
+                            self._compat_hash, nonce, time.time())
         limit = self._config.max_handshake_bytes
         with self._operation():
             sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
@@ -630,16 +642,17 @@ class Engine:
                     sock.connect(address)
                 except zmq.ZMQError as exc:
                     raise ValueError(f"bad peer address {address!r}: {exc}") from exc
-                await _zmq.send_multipart(sock, [proto.encode(hello)])
+                await _zmq.send_multipart(sock, proto.seal(proto.encode(hello), self._secret))
                 frames = await _zmq.recv_multipart(sock)
             finally:
                 sock.close(linger=0)
         self._check_open()
         try:
-            if len(frames) != 1:
-                raise proto.ProtocolError(f"expected 1 frame, got {len(frames)}")
-            reply = proto.decode_reply(frames[0], limit)
+            reply = proto.decode_reply(proto.unseal(frames, self._secret, tag_optional=True), limit)
         except proto.ProtocolError as exc:
+            if exc.code == "unauthorized":
+                raise _RefusedError(f"{address} answered without this engine's secret"
+                                    f"{_unsigned_refusal(frames, limit)}") from exc
             raise _RefusedError(f"unusable handshake reply from {address}: {exc}") from exc
         if isinstance(reply, proto.Reject):
             reason, code = proto.clip(reply.reason), proto.clip(reply.code, 40)
@@ -648,10 +661,8 @@ class Engine:
                 raise IncompatiblePeerError(f"{address} refused us: {reason}", field=field)
             kind = HandshakeError if reply.code in _RETRYABLE_REJECTS else _RefusedError
             raise kind(f"{address} refused the handshake ({code}): {reason}")
-        try:
-            proto.check_auth(reply, self._secret)
-        except proto.ProtocolError as exc:
-            raise _RefusedError(f"{address} answered without this engine's secret") from exc
+        if self._secret is not None and reply.nonce != nonce:
+            raise _RefusedError(f"{address} sent a signed reply to another handshake (replayed?)")
         if reply.name == self._name:
             raise _RefusedError(f"{address} is this engine ({self._name!r}) itself")
         try:
@@ -689,8 +700,9 @@ class Engine:
             raise proto.ProtocolError(
                 f"the NIXL metadata of {proto.clip(name, 80)!r} is not an agent of that name "
                 f"(it names {proto.clip(embedded, 80) if embedded else 'no readable agent'})")
-        if existing is not None:
-            self._drop_peer(existing, None)  # same name, new incarnation
+        if existing is not None:  # same name, new incarnation
+            existing._lost = PeerDisconnectedError(f"peer {name!r} restarted; connect() again")
+            self._drop_peer(existing, None, existing._lost)
         agent.add_remote(metadata, name)
         remote = [r.to_region() for r in regions]
         try:
@@ -734,6 +746,7 @@ class Engine:
                 rec.finish(ERR, gone)
                 if not agent.release_xfer(handle):
                     self._parked.add(handle)
+                    self._poller_wakeup.set()
         sink: list[str] = [] if problems is None else problems
         self._attempt(agent.release_dlist, peer._dlist, sink)
         self._attempt(agent.remove_remote, peer.name, sink)
@@ -780,12 +793,13 @@ class Engine:
             task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             while True:
                 frames = await _zmq.recv_multipart(sock)
-                reply = self._serve(frames)
+                reply = self._serve(frames[1:])  # frames[0] is the client's routing id
                 if isinstance(reply, proto.Reject):
                     self._handshakes_rejected += 1
                 else:
                     self._handshakes_accepted += 1
-                if not _zmq.try_send_multipart(sock, [frames[0], proto.encode(reply)]):
+                if not _zmq.try_send_multipart(sock, [frames[0], *proto.seal(proto.encode(reply),
+                                                                              self._secret)]):
                     log.debug("handshake reply dropped: the client is gone or not reading")
                 self._wake_drainer()
                 await anyio.lowlevel.checkpoint()
@@ -796,10 +810,10 @@ class Engine:
         """Answer one handshake request. Never raises for bad input: it rejects."""
         version = proto.PROTOCOL_VERSION
         try:
-            if len(frames) != 2:
-                raise proto.ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
-            hello = proto.decode_hello(frames[1], self._config.max_handshake_bytes)
-            proto.check_auth(hello, self._secret)
+            hello = proto.decode_hello(proto.unseal(frames, self._secret),
+                                       self._config.max_handshake_bytes)
+            if self._secret is not None:
+                self._replay_guard.check(hello, time.time())
             if self._state != _OPEN:
                 return proto.Reject(version, "draining", f"engine {self._name!r} takes no new peers")
             if hello.name == self._name:
@@ -818,9 +832,9 @@ class Engine:
                             proto.clip(repr(exc)))
             return proto.Reject(version, "internal", proto.clip(str(exc)))
         assert self._agent is not None
-        return proto.sign(proto.Welcome(version, self._name, self._agent.metadata(),
-                                        [proto.RegionInfo.of(r) for r in self._regions],
-                                        self._compat, self._compat_hash), self._secret)
+        return proto.Welcome(version, self._name, self._own_metadata,
+                             [proto.RegionInfo.of(r) for r in self._regions], self._compat,
+                             self._compat_hash, hello.nonce)
 
     # ---- transfers ----------------------------------------------------------------------
 
@@ -878,7 +892,7 @@ class Engine:
         try:
             handle, status = agent.start_xfer(op, self._local_dlist, local_idx, peer._dlist,
                                               remote_idx, message, self._inline_polls)
-        except TransferError as exc:
+        except PeerDisconnectedError as exc:
             raise self._evict(peer, exc) from exc
         if status is not DONE or handle != NO_HANDLE:
             limit = self._config.transfer_timeout if timeout is None else timeout
@@ -892,7 +906,9 @@ class Engine:
             # other tasks were waiting (64 busy callers each get a short turn, not 2 ms).
             now = time.perf_counter()
             if now - self._last_yield > self._slice:
-                await anyio.lowlevel.checkpoint()
+                # Shielded: the transfer is done; a cancel must not turn it into a failure
+                # (a caller that retried would write, and notify, twice).
+                await anyio.lowlevel.cancel_shielded_checkpoint()
                 after = time.perf_counter()
                 self._slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
                 now = self._last_yield = after
@@ -929,7 +945,12 @@ class Engine:
             if status != DONE:
                 raise self._evict(peer, TransferError("NIXL reported the transfer failed (ERR)"))
         finally:
-            owned = rec is None or self._inflight.pop(handle, None) is not None
+            # Whoever took the record out of _inflight (eviction, close) released the handle,
+            # and NIXL may since have given the same value to another transfer: release only
+            # what is still ours.
+            owned = rec is None or self._inflight.get(handle) is rec
+            if rec is not None and owned:
+                del self._inflight[handle]
             if owned and not agent.release_xfer(handle):
                 self._parked.add(handle)
                 self._poller_wakeup.set()
@@ -962,8 +983,11 @@ class Engine:
                     continue
                 try:
                     status = agent.check(handle)
-                except TransferError as exc:
+                except PeerDisconnectedError as exc:
                     self._evict(rec.peer, exc)  # fails every transfer to that peer
+                    continue
+                except TransferError as exc:
+                    rec.finish(ERR, exc)  # this transfer failed; the peer may be fine
                     continue
                 if status == ERR:
                     self._evict(rec.peer, TransferError("NIXL reported the transfer failed (ERR)"))
@@ -1103,6 +1127,17 @@ def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> No
     if len(cache) >= _ONE_BLOCK_CACHE:
         cache.clear()
     cache[block] = indices
+
+
+def _unsigned_refusal(frames: list[bytes], limit: int) -> str:
+    """What an unauthenticated refusal says, for the error message only (never trusted)."""
+    try:
+        reply = proto.decode_reply(frames[0], limit)
+    except proto.ProtocolError:
+        return ""
+    if isinstance(reply, proto.Reject):
+        return f"; it says: {proto.clip(reply.code, 40)}: {proto.clip(reply.reason)}"
+    return ""
 
 
 def _single_leaf(exc: BaseException) -> BaseException:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
+import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 
@@ -55,8 +57,10 @@ class _EngineInfo(msgspec.Struct, frozen=True):
     regions: list[RegionInfo]
     compat: dict[str, str]
     compat_hash: str
-    #: HMAC-SHA256 over the message with ``auth`` empty, when engines share a secret.
-    auth: bytes = b""
+    #: Freshness, checked when engines share a secret: a random value the Welcome must echo,
+    #: and the sender's clock (a replayed Hello is either stale or a nonce seen before).
+    nonce: bytes = b""
+    sent_at: float = 0.0
 
 
 class Hello(_EngineInfo, frozen=True, tag="hello"):
@@ -173,31 +177,60 @@ def _validate_regions(regions: Sequence[RegionInfo]) -> None:
         raise ProtocolError("peer has more blocks than fit in int32 indices")
 
 
-_Signed = TypeVar("_Signed", Hello, Welcome)
+#: How far a signed Hello's clock may be from ours, and how long its nonce is remembered.
+FRESHNESS_WINDOW = 120.0
 
 
-def _tag(message: Hello | Welcome, secret: bytes) -> bytes:
-    unsigned = msgspec.structs.replace(message, auth=b"")
-    return hmac.new(secret, _encoder.encode(unsigned), hashlib.sha256).digest()
+def _tag(payload: bytes, secret: bytes) -> bytes:
+    return hmac.new(secret, payload, hashlib.sha256).digest()
 
 
-def sign(message: _Signed, secret: bytes | None) -> _Signed:
-    """The message with its ``auth`` tag set (unchanged when there is no secret)."""
-    if secret is None:
-        return message
-    return msgspec.structs.replace(message, auth=_tag(message, secret))
+def seal(payload: bytes, secret: bytes | None) -> list[bytes]:
+    """The frames to send: the payload, then its HMAC-SHA256 tag when there is a secret.
 
-
-def check_auth(message: Hello | Welcome, secret: bytes | None) -> None:
-    """Raise ProtocolError("unauthorized") unless the message carries the secret's tag.
-
-    Checked before anything from the message reaches NIXL: loading crafted metadata can
-    crash the process inside UCX, so on untrusted networks only signed peers get that far.
+    The tag covers the bytes as sent (not a re-encoding of what we decoded), so a newer
+    peer's extra fields do not break it.
     """
-    if secret is None:
-        return
-    if not message.auth or not hmac.compare_digest(message.auth, _tag(message, secret)):
+    return [payload] if secret is None else [payload, _tag(payload, secret)]
+
+
+def unseal(frames: Sequence[bytes], secret: bytes | None, *, tag_optional: bool = False) -> bytes:
+    """The payload of received frames; with a secret, only if its tag is right.
+
+    Without a secret a tag frame is refused unless ``tag_optional``: a listener must not
+    admit a peer that signs (it would refuse our unsigned Welcome and leave us holding it),
+    while a client still wants to read a signed refusal.
+    """
+    if not 1 <= len(frames) <= 2:
+        raise ProtocolError(f"expected a payload frame and at most a tag, got {len(frames)} frames")
+    if secret is None and len(frames) == 2 and not tag_optional:
+        raise ProtocolError("the handshake is signed, but this engine has no handshake_secret",
+                            "unauthorized")
+    if secret is not None and (len(frames) != 2
+                               or not hmac.compare_digest(frames[1], _tag(frames[0], secret))):
         raise ProtocolError("the handshake is not signed with this engine's secret", "unauthorized")
+    return frames[0]
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(16)
+
+
+class ReplayGuard:
+    """Refuses signed Hellos that are stale, future-dated, or carry a nonce seen before."""
+
+    def __init__(self, window: float = FRESHNESS_WINDOW) -> None:
+        self._window = window
+        self._seen: dict[bytes, float] = {}
+
+    def check(self, hello: Hello, now: float) -> None:
+        if not math.isfinite(hello.sent_at) or abs(now - hello.sent_at) > self._window:
+            raise ProtocolError("the signed handshake is stale or future-dated", "unauthorized")
+        if len(hello.nonce) < 16 or hello.nonce in self._seen:
+            raise ProtocolError("the signed handshake was replayed", "unauthorized")
+        for nonce in [n for n, t in self._seen.items() if now - t > 2 * self._window]:
+            del self._seen[nonce]
+        self._seen[hello.nonce] = now
 
 
 def compat_hash(regions: Sequence[Region], compat: Mapping[str, str]) -> str:

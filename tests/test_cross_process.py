@@ -303,3 +303,35 @@ async def test_a_killed_client_restarted_under_its_name_replaces_the_old_one_at_
             child.proc.kill()
             child.proc.wait()
         assert pre.stats()["handshakes_accepted"] == 3
+
+
+async def test_dropping_a_peer_leaves_a_recycled_handle_of_another_alone(stopped_tcp_peer: Any) -> None:
+    """Dropping a peer releases its handles at once and NIXL may give the same handle value
+    to the next transfer; the dropped transfer's caller must not release that one."""
+    child, frozen = stopped_tcp_peer
+    other_cache = numpy_cache(8, 4 << 20, 1, seed=5)
+    local = numpy_cache(8, 4 << 20, 1)
+    async with aionixl.Engine(unique("other"), other_cache) as other, \
+            aionixl.Engine(unique("dec"), local, listen=None) as eng:
+        assert other.address is not None
+        peer = await _connected(eng, child)
+        healthy = await eng.connect(other.address, timeout=30)
+        await eng.transfer_blocks(healthy, [0], [0], timeout=30)
+        outcome: list[BaseException] = []
+        with frozen():
+            async def stuck_read() -> None:
+                try:
+                    await eng.transfer_blocks(peer, [1, 2, 3], [1, 2, 3], timeout=30)
+                except aionixl.PeerDisconnectedError as exc:
+                    outcome.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stuck_read)
+                await anyio.sleep(0.1)
+                assert eng.live_resources()["in_flight"] == 1
+                await eng.disconnect(peer)
+                for block in range(4, 8):  # new handles, while the stuck caller cleans up
+                    await eng.transfer_blocks(healthy, [block], [block], timeout=5)
+            assert len(outcome) == 1
+            assert np.array_equal(local[0][4:8], other_cache[0][4:8])
+            assert eng.live_resources()["transfer_handles"] == 0

@@ -751,6 +751,44 @@ async def test_a_handshake_secret_admits_only_engines_that_share_it() -> None:
         with pytest.raises(aionixl.HandshakeError, match="without this engine's secret"):
             await dst.connect(open_src.address, timeout=10)
         assert dst.live_resources()["remote_agents"] == 0
+        assert open_src.peers == {}  # the listener refused the signed hello: it holds nothing
+
+
+async def test_a_replayed_signed_hello_is_refused_and_the_peer_stays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aionixl import _protocol as proto
+
+    sent: list[list[bytes]] = []
+    real_seal = proto.seal
+
+    def recording_seal(payload: bytes, secret: bytes | None) -> list[bytes]:
+        frames = real_seal(payload, secret)
+        sent.append(frames)
+        return frames
+
+    monkeypatch.setattr(proto, "seal", recording_seal)
+    config = aionixl.EngineConfig(handshake_secret=b"a-secret-of-16-bytes")
+    async with aionixl.Engine(unique("src"), numpy_cache(seed=3), config=config) as src, \
+            aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config) as dst:
+        assert src.address is not None
+        peer = await dst.connect(src.address, timeout=10)
+        hello_frames = sent[0]  # what dst sent (src's reply was sealed after it)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(src.address)
+            await _zmq.send_multipart(sock, hello_frames)
+            with anyio.fail_after(5):
+                frames = await _zmq.recv_multipart(sock)
+        finally:
+            sock.close(0)
+            ctx.term()
+        reply = proto.decode_reply(frames[0], 1 << 20)
+        assert isinstance(reply, proto.Reject) and reply.code == "unauthorized"
+        assert "replayed" in reply.reason
+        assert src.peers[dst.name].connected and peer.connected
+        await dst.transfer_blocks(peer, [0], [1])
 
 
 async def test_a_closing_engine_says_goodbye_and_its_peers_drop_it_at_once(
@@ -788,3 +826,59 @@ async def test_reserved_messages_are_refused() -> None:
             with pytest.raises(ValueError, match="x00aionixl"):
                 await dst.transfer_blocks(peer, [0], [0], notify=message)
         await dst.send_notification(peer, b"\x00aionix")  # a prefix of it is fine
+
+
+async def test_close_during_a_connect_backoff_raises_engine_closed() -> None:
+    config = aionixl.EngineConfig(connect_retries=5, connect_backoff=0.5)
+    async with aionixl.Engine(unique("src"), numpy_cache()) as src:
+        assert src.address is not None and await src.drain(timeout=1)
+        dst = aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config)
+        async with dst:
+            errors: list[BaseException] = []
+
+            async def connect() -> None:
+                try:
+                    await dst.connect(src.address, timeout=30)  # type: ignore[arg-type]
+                except BaseException as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(connect)
+                await anyio.sleep(0.2)  # the first attempt was refused; it is pausing now
+                await dst.aclose()
+        assert len(errors) == 1 and isinstance(errors[0], aionixl.EngineClosedError), errors
+
+
+async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
+    """A transfer that finished inside the post yields to the loop afterwards (fairness);
+    a cancel pending there must not hide that the data moved."""
+    src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
+    config = aionixl.EngineConfig(inline_polls=100_000)  # finish inline, never via the poller
+    async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
+        await dst.transfer_blocks(peer, [0], [0])  # wired up: the next one finishes inline
+        results: list[aionixl.TransferResult] = []
+        dst._last_yield = 0.0  # the next inline completion yields
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            results.append(await dst.transfer_blocks(peer, [1], [2]))
+        assert [r.blocks for r in results] == [1]
+        assert np.array_equal(dst_cache[0][1], src_cache[0][2])
+
+
+async def test_aclose_with_drain_timeout_closes_even_when_cancelled() -> None:
+    async with engine_pair(numpy_cache(seed=4), numpy_cache()) as (src, _, _):
+        with pytest.raises(ValueError, match="drain_timeout"):
+            await src.aclose(drain_timeout=0)
+        assert not src.closed
+        async def waiter() -> None:
+            with pytest.raises(aionixl.EngineClosedError):
+                await src.wait_notification(b"never")  # the drain waits for this one
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            with anyio.move_on_after(0.2) as scope:
+                await src.aclose(drain_timeout=30)
+            assert scope.cancelled_caught
+            assert src.closed and zero_resources(src)
+            tg.cancel_scope.cancel()

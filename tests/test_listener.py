@@ -191,7 +191,7 @@ class RawClient:
 
 def as_reject(reply: list[bytes] | None) -> proto.Reject:
     assert reply is not None, "the listener did not answer"
-    assert len(reply) == 1, f"a reply is one frame, got {len(reply)}"
+    assert len(reply) in (1, 2), f"a reply is one frame (and a tag, with a secret), got {len(reply)}"
     message = proto.decode_reply(reply[0], BIG)
     assert isinstance(message, proto.Reject), f"hostile input was welcomed: {message!r}"
     assert message.version == proto.PROTOCOL_VERSION and message.reason
@@ -314,7 +314,8 @@ def test_each_kind_of_bad_request_gets_the_right_reject(harness: Harness) -> Non
         ("random bytes", [b"\x00\x01 not msgpack \xc1"], "bad-request", None),
         ("one empty frame", [b""], "bad-request", None),
         ("msgpack nil", [b"\xc0"], "bad-request", None),
-        ("two frames", [good_hello, b"x"], "bad-request", None),
+        ("two frames (a tag, to an engine without a secret)", [good_hello, b"x"], "unauthorized", None),
+        ("three frames", [good_hello, b"x", b"y"], "bad-request", None),
         ("three empty frames", [b"", b"", b""], "bad-request", None),
         ("trailing bytes", [good_hello + b"\x00"], "bad-request", None),
         ("truncated hello", [good_hello[: len(good_hello) // 2]], "bad-request", None),
@@ -581,11 +582,12 @@ def test_crafted_nixl_metadata_is_refused_before_nixl_with_a_secret(
     at = md.find(b"UCX|c")
     assert at >= 0, "NIXL's metadata format changed; update this repro"
     md[at + 13] = 0xFF
-    crafted = proto.Hello(real.version, real.name, bytes(md), real.regions, real.compat, real.compat_hash)
-    for attempt in (crafted, proto.sign(crafted, b"not-the-secret-but-16-bytes")):
+    crafted = proto.encode(proto.Hello(real.version, real.name, bytes(md), real.regions, real.compat,
+                                       real.compat_hash, proto.new_nonce(), time.time()))
+    for attempt in ([crafted], proto.seal(crafted, b"not-the-secret-but-16-bytes")):
         client = RawClient(child.address)
         try:
-            client.send([proto.encode(attempt)])
+            client.send(attempt)
             reply = client.recv(REPLY_WAIT)
         finally:
             client.close()

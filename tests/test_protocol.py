@@ -98,24 +98,51 @@ def test_hash_ignores_addresses_and_block_counts_but_not_sizes_or_compat() -> No
 SECRET = b"sixteen-bytes-or-more"
 
 
-def test_signed_messages_verify_and_tampering_is_caught() -> None:
-    signed = proto.sign(hello(), SECRET)
-    assert len(signed.auth) == 32
-    decoded = proto.decode_hello(proto.encode(signed), LIMIT)
-    proto.check_auth(decoded, SECRET)
-    proto.check_auth(decoded, None)  # an engine without a secret ignores the tag
-    for forged in (hello(), proto.sign(hello(), b"another-secret-of-16"),
-                   msgspec.structs.replace(signed, name="b"),
-                   msgspec.structs.replace(signed, agent_metadata=b"other")):
+def test_sealed_frames_verify_and_tampering_is_caught() -> None:
+    payload = proto.encode(hello())
+    frames = proto.seal(payload, SECRET)
+    assert len(frames) == 2 and proto.unseal(frames, SECRET) == payload
+    assert proto.seal(payload, None) == [payload] and proto.unseal([payload], None) == payload
+    forged = ([payload], proto.seal(payload, b"another-secret-of-16"),
+              [payload + b"x", frames[1]], [payload, frames[1], b""], [])
+    for bad in forged:
+        with pytest.raises(proto.ProtocolError):
+            proto.unseal(bad, SECRET)
+    with pytest.raises(proto.ProtocolError) as info:
+        proto.unseal([payload], SECRET)
+    assert info.value.code == "unauthorized"
+    # A listener without a secret refuses signed hellos; a client still reads signed replies.
+    with pytest.raises(proto.ProtocolError, match="no handshake_secret"):
+        proto.unseal(frames, None)
+    assert proto.unseal(frames, None, tag_optional=True) == payload
+
+
+def test_the_tag_covers_the_bytes_sent_so_newer_fields_do_not_break_it() -> None:
+    fields = {"type": "hello", **msgspec.structs.asdict(hello()), "added_in_a_later_version": 7}
+    payload = msgspec.msgpack.encode(fields)
+    assert proto.decode_hello(proto.unseal(proto.seal(payload, SECRET), SECRET), LIMIT) == hello()
+
+
+def test_replay_guard_refuses_stale_future_and_repeated_hellos() -> None:
+    guard = proto.ReplayGuard(window=60)
+    fresh = hello(nonce=b"n" * 16, sent_at=1000.0)
+    guard.check(fresh, now=1010.0)
+    for bad, now in ((fresh, 1011.0), (hello(nonce=b"m" * 16, sent_at=900.0), 1011.0),
+                     (hello(nonce=b"f" * 16, sent_at=2000.0), 1011.0),
+                     (hello(nonce=b"s", sent_at=1000.0), 1011.0),
+                     (hello(nonce=b"i" * 16, sent_at=float("inf")), 1011.0)):
         with pytest.raises(proto.ProtocolError) as info:
-            proto.check_auth(forged, SECRET)
+            guard.check(bad, now=now)
         assert info.value.code == "unauthorized"
-    assert proto.sign(hello(), None) == hello()
+    # Nonces are forgotten after two windows; by then a replay is refused as stale.
+    guard.check(hello(nonce=b"o" * 16, sent_at=1500.0), now=1500.0)
+    with pytest.raises(proto.ProtocolError, match="stale"):
+        guard.check(fresh, now=1500.0)
 
 
-def test_old_messages_without_auth_still_decode() -> None:
+def test_old_messages_without_freshness_fields_still_decode() -> None:
     fields = {"type": "hello", **msgspec.structs.asdict(hello())}
-    del fields["auth"]
+    del fields["nonce"], fields["sent_at"]
     assert proto.decode_hello(msgspec.msgpack.encode(fields), LIMIT) == hello()
 
 
