@@ -567,6 +567,8 @@ class Engine:
                     self._check_open()
                     error = self._connect_errors.get(address)
                     if error is not None:
+                        if self._config.connect_retries and _retryable(error):
+                            continue  # the shared attempt gave up; this caller has time left
                         raise _same_kind(error, f"connecting to {address}: {error}") from error
                 done = anyio.Event()
                 self._connecting[address] = done
@@ -1127,6 +1129,11 @@ def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> No
     if len(cache) >= _ONE_BLOCK_CACHE:
         cache.clear()
     cache[block] = indices
+
+
+def _retryable(error: BaseException) -> bool:
+    return isinstance(error, HandshakeError) and not isinstance(error, (_RefusedError,
+                                                                         IncompatiblePeerError))
 
 
 def _unsigned_refusal(frames: list[bytes], limit: int) -> str:

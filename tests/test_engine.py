@@ -882,3 +882,41 @@ async def test_aclose_with_drain_timeout_closes_even_when_cancelled() -> None:
             assert scope.cancelled_caught
             assert src.closed and zero_resources(src)
             tg.cancel_scope.cancel()
+
+
+async def test_a_caller_sharing_a_failed_handshake_retries_on_its_own_time() -> None:
+    address = free_tcp_address()
+    # One retry, half a second apart: the first caller's two attempts meet the draining
+    # listener (0 s, 0.5 s) and fail for good; the second caller, who shared them, starts its
+    # own (0.5 s, 1.0 s) and its second attempt meets the new listener (up at ~0.8 s).
+    config = aionixl.EngineConfig(connect_retries=1, connect_backoff=0.5, connect_attempt_timeout=2.0)
+    src_cache, local = numpy_cache(seed=7), numpy_cache()
+    async with aionixl.Engine(unique("dst"), local, listen=None, config=config) as dst:
+        outcome: dict[str, Any] = {}
+
+        async def short() -> None:
+            try:
+                await dst.connect(address, timeout=10)
+            except aionixl.HandshakeError as exc:
+                outcome["short"] = exc
+
+        async def patient() -> None:
+            await anyio.sleep(0.05)  # joins the handshake the first caller started
+            outcome["patient"] = await dst.connect(address, timeout=10)
+
+        async with anyio.create_task_group() as tg:
+            draining = aionixl.Engine(unique("old"), numpy_cache(), listen=address)
+            await draining.__aenter__()
+            assert await draining.drain(timeout=1)
+            tg.start_soon(short)
+            tg.start_soon(patient)
+            await anyio.sleep(0.7)  # the first caller gave up on the draining listener
+            await draining.__aexit__(None, None, None)
+            async with aionixl.Engine(unique("new"), src_cache, listen=address):
+                with anyio.fail_after(10):
+                    while "patient" not in outcome:
+                        await anyio.sleep(0.01)
+                peer = outcome["patient"]
+                await dst.transfer_blocks(peer, [0], [3])
+                assert np.array_equal(local[0][0], src_cache[0][3])
+        assert "draining" in str(outcome["short"])
