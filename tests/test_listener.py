@@ -21,7 +21,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from typing import Any
 
 import anyio
@@ -37,6 +37,7 @@ import aionixl
 from aionixl import _protocol as proto
 
 from .conftest import PeerProcess, numpy_cache, unique, zero_resources
+from .recording import record_hello
 
 #: max_handshake_bytes of the engines here: small, so that oversized frames are cheap.
 LIMIT = 64 * 1024
@@ -135,25 +136,7 @@ class Harness:
 
     def captured_hello(self, engine: aionixl.Engine) -> proto.Hello:
         """The Hello ``engine`` really sends, recorded by a fake listener (as a sniffer would)."""
-        ctx = zmq.Context.instance()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind("tcp://127.0.0.1:0")
-        address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-
-        async def connect() -> None:
-            with suppress(aionixl.HandshakeError):
-                await engine.connect(address, timeout=5)
-
-        try:
-            future = self.portal.start_task_soon(connect)
-            assert router.poll(10_000), "the engine sent no hello"
-            identity, data = router.recv_multipart()
-            router.send_multipart([identity, proto.encode(proto.Reject(1, "internal", "recording"))])
-            future.result(timeout=10)
-        finally:
-            router.close(0)
-        return proto.decode_hello(data, BIG)
+        return record_hello(self.portal, engine, BIG)
 
 
 @pytest.fixture

@@ -49,6 +49,9 @@ import aionixl
 from aionixl import _protocol as proto
 
 TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+from recording import record_hello  # noqa: E402  (tests/ is not a package on the script's path)
+
 BLOCKS, BLOCK_BYTES, REGIONS, SEED = 16, 4096, 2, 11
 REPLY_WAIT = 5.0
 BIG = 1 << 30
@@ -186,26 +189,7 @@ class GoodClient:
 
     def real_metadata(self) -> bytes:
         """Our agent's metadata, as it goes over the wire (recorded by a fake listener)."""
-        ctx = zmq.Context.instance()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.bind("tcp://127.0.0.1:0")
-        address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-
-        async def connect() -> None:
-            with suppress(aionixl.HandshakeError):
-                await self.engine.connect(address, timeout=5)
-
-        future = self.portal.start_task_soon(connect)
-        try:
-            if not router.poll(10_000):
-                raise RuntimeError("no hello recorded")
-            identity, data = router.recv_multipart()
-            router.send_multipart([identity, proto.encode(proto.Reject(1, "internal", "recorded"))])
-            future.result(timeout=10)
-        finally:
-            router.close(0)
-        return proto.decode_hello(data, BIG).agent_metadata
+        return record_hello(self.portal, self.engine, BIG).agent_metadata
 
 
 # ---- message kinds ------------------------------------------------------------------------
