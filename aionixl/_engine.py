@@ -756,9 +756,17 @@ class Engine:
             self._noisy.log(logging.WARNING, "drop", "dropping peer %r: %s", peer.name, "; ".join(sink))
 
     async def disconnect(self, peer: Peer) -> None:
-        """Forget ``peer``: its transfers in flight fail, its NIXL state is released."""
+        """Forget ``peer`` and release its NIXL state.
+
+        Its transfers under way get up to ``close_grace`` to finish; those still running
+        then fail with ``PeerDisconnectedError``. (Closing the connection under a UCX-TCP
+        transfer that is moving data made the serving process abort inside UCX.)
+        """
         self._check_open(draining_ok=True)
         self._own_peer(peer)
+        with anyio.move_on_after(self._config.close_grace):
+            while peer.connected and any(rec.peer is peer for rec in self._inflight.values()):
+                await anyio.sleep(0.001)
         if peer.connected:
             self._drop_peer(peer, None)
         await anyio.lowlevel.checkpoint()

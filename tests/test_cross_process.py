@@ -335,3 +335,30 @@ async def test_dropping_a_peer_leaves_a_recycled_handle_of_another_alone(stopped
             assert len(outcome) == 1
             assert np.array_equal(local[0][4:8], other_cache[0][4:8])
             assert eng.live_resources()["transfer_handles"] == 0
+
+
+async def test_disconnect_lets_a_transfer_under_way_finish_first(stopped_tcp_peer: Any) -> None:
+    """Closing the connection under a UCX-TCP read that is moving data made the serving
+    process abort inside UCX; disconnect() gives such reads close_grace to finish."""
+    child, frozen = stopped_tcp_peer
+    local = numpy_cache(8, 4 << 20, 1)
+    async with aionixl.Engine(unique("dec"), local, listen=None) as eng:
+        peer = await _connected(eng, child)
+        results: list[aionixl.TransferResult] = []
+        async with anyio.create_task_group() as tg:
+            with frozen():
+                async def read() -> None:
+                    results.append(await eng.transfer_blocks(peer, [6], [6], timeout=30))
+
+                tg.start_soon(read)
+                await anyio.sleep(0.05)
+                assert eng.live_resources()["in_flight"] == 1
+                tg.start_soon(eng.disconnect, peer)
+                await anyio.sleep(0.1)  # disconnect is waiting for the read
+                assert peer.connected
+            # The child runs again (well within the 0.5 s grace): the read finishes.
+        assert len(results) == 1 and not peer.connected
+        assert np.array_equal(local[0][6], child.expected()[0][6])
+        assert eng.live_resources()["remote_agents"] == 0
+    assert zero_resources(eng)
+    assert child.proc.poll() is None  # the serving process survived
