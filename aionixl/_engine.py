@@ -490,7 +490,6 @@ class Engine:
         # have been admitted before the old one's goodbye was read.
         if peer is not None and _goodbye(peer._metadata) == message:
             log.info("peer %r closed", name)
-            peer._lost = PeerDisconnectedError(f"peer {name!r} closed its engine")
             self._drop_peer(peer, None, PeerDisconnectedError(f"peer {name!r} closed its engine"))
 
     @staticmethod
@@ -703,8 +702,8 @@ class Engine:
                 f"the NIXL metadata of {proto.clip(name, 80)!r} is not an agent of that name "
                 f"(it names {proto.clip(embedded, 80) if embedded else 'no readable agent'})")
         if existing is not None:  # same name, new incarnation
-            existing._lost = PeerDisconnectedError(f"peer {name!r} restarted; connect() again")
-            self._drop_peer(existing, None, existing._lost)
+            self._drop_peer(existing, None,
+                            PeerDisconnectedError(f"peer {name!r} restarted; connect() again"))
         agent.add_remote(metadata, name)
         remote = [r.to_region() for r in regions]
         try:
@@ -732,8 +731,14 @@ class Engine:
 
     def _drop_peer(self, peer: Peer, problems: list[str] | None,
                    error: AionixlError | None = None) -> None:
-        """Fail the peer's transfers, release its descriptors, disconnect in NIXL."""
+        """Fail the peer's transfers, release its descriptors, disconnect in NIXL.
+
+        With ``error`` the peer was lost (not disconnected on purpose): its transfers fail
+        with it, and later calls with this Peer raise PeerDisconnectedError.
+        """
         peer._connected = False
+        if error is not None and peer._lost is None:
+            peer._lost = error
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
         if peer.address is not None and self._peers_by_address.get(peer.address) is peer:
@@ -888,12 +893,7 @@ class Engine:
                 if nblocks == 1:
                     _remember(self._one_block, local_blocks[0], local_idx)
                     _remember(peer._one_block, remote_blocks[0], remote_idx)
-        if notify is None:
-            message = b""
-        elif isinstance(notify, (bytes, bytearray, memoryview)) and not bytes(notify).startswith(_RESERVED):
-            message = bytes(notify)
-        else:
-            raise ValueError("notify must be bytes or None (not starting with b'\\x00aionixl-')")
+        message = b"" if notify is None else _user_message(notify, "notify")
         if timeout is not None:
             _check_timeout(timeout, "timeout")
         agent = self._agent
@@ -1037,7 +1037,7 @@ class Engine:
             delivered = False
             for peer_name, messages in notifs.items():
                 for message in messages:
-                    if message[:1] == b"\x00" and message.startswith(_RESERVED):
+                    if message.startswith(_RESERVED):
                         if message.startswith(_GOODBYE):
                             self._peer_left(peer_name, message)
                         continue
@@ -1078,13 +1078,10 @@ class Engine:
         """Send ``message`` to ``peer`` on its own, not tied to a transfer."""
         self._check_open(draining_ok=True)
         p = self._live_peer(peer)
-        if not isinstance(message, (bytes, bytearray, memoryview)):
-            raise ValueError("message must be bytes")
-        if bytes(message).startswith(_RESERVED):
-            raise ValueError("messages starting with b'\\x00aionixl-' are reserved for the engine")
+        message = _user_message(message, "message")
         assert self._agent is not None
         try:
-            self._agent.send_notif(p.name, bytes(message))
+            self._agent.send_notif(p.name, message)
         except PeerDisconnectedError as exc:
             raise self._evict(p, exc) from exc
         self._wake_drainer()
@@ -1137,6 +1134,16 @@ def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> No
     if len(cache) >= _ONE_BLOCK_CACHE:
         cache.clear()
     cache[block] = indices
+
+
+def _user_message(value: object, what: str) -> bytes:
+    """A caller's notification as bytes; the engine's own reserved prefix is refused."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{what} must be bytes")
+    message = bytes(value)
+    if message.startswith(_RESERVED):
+        raise ValueError(f"{what}: messages starting with b'\\x00aionixl-' are reserved for the engine")
+    return message
 
 
 def _retryable(error: BaseException) -> bool:
