@@ -20,7 +20,10 @@ async def main() -> None:
     peer_process = PeerProcess(seed=1, num_blocks=64, block_bytes=1 << 18, regions=2)
     outcomes: dict[str, int] = {}
     try:
-        eng = aionixl.Engine("close-check", numpy_cache(64, 1 << 18, 2), listen=None)
+        # A longer grace than the default 0.5 s: on a loaded 2-core machine 64 reads of
+        # 512 KiB over TCP can outlast 0.5 s, and what is checked is that close waits.
+        eng = aionixl.Engine("close-check", numpy_cache(64, 1 << 18, 2), listen=None,
+                             config=aionixl.EngineConfig(close_grace=3.0))
         async with eng:
             peer = await eng.connect(peer_process.address, timeout=30)
 

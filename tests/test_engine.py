@@ -793,7 +793,7 @@ async def test_a_replayed_signed_hello_is_refused_and_the_peer_stays(
 
 async def test_a_closing_engine_says_goodbye_and_its_peers_drop_it_at_once(
         caplog: pytest.LogCaptureFixture) -> None:
-    from aionixl._engine import _goodbye
+    from aionixl._peers import goodbye as _goodbye
 
     config = aionixl.EngineConfig(peer_probe_interval=math.inf)  # no probe to find it out
     async with aionixl.Engine(unique("src"), numpy_cache(seed=1), config=config) as src:

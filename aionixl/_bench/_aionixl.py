@@ -147,7 +147,7 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
         peer = await eng.connect(unit.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])  # wire-up
         await _verify(ctx, eng, peer, "start")
-        eng._wake_trace = []
+        eng._transfers.wake_trace = []
         ref = ctx.open_reference()
         refs: dict[str, Callable[[], float]] = {} if ref is None else ref.pairs
         paired: dict[str, list[float]] = {}
@@ -192,8 +192,8 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
             if ref is not None:
                 ref.close()
         info["paired"] = paired
-        info["wake_samples_default_transport"] = len(eng._wake_trace)
-        eng._wake_trace = None
+        info["wake_samples_default_transport"] = len(eng._transfers.wake_trace)
+        eng._transfers.wake_trace = None
         await _verify(ctx, eng, peer, "after the timed loops")
 
         ctx.progress(f"{label}: event-loop lag")
@@ -269,11 +269,11 @@ async def _close_once(ctx: Context, backend: str, first: bool) -> tuple[float, i
         if first:
             ctx.progress(f"aionixl on {backend}: completion-to-wake over UCX tcp")
             trace: list[int] = []
-            eng._wake_trace = trace
+            eng._transfers.wake_trace = trace
             for i in range(spec.wake_count):
                 ids = [i % spec.blocks]
                 await eng.transfer_blocks(peers[0], ids, ids)
-            eng._wake_trace = None
+            eng._transfers.wake_trace = None
             extra["wake"] = [ns * 1e-9 for ns in trace]
             ctx.progress(f"aionixl on {backend}: event-loop lag, {spec.lag_workers} in flight over tcp")
             extra["lag_64_tcp"] = [

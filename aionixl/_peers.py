@@ -1,0 +1,251 @@
+"""Peers: who this engine may move blocks with, how they are admitted, evicted and probed.
+
+The :class:`PeerTable` owns every peer's NIXL state (its loaded agent metadata and its
+descriptor list). Admission loads a peer's metadata after checking that it names that
+peer; eviction (a transfer or probe found the peer gone) and disconnection both go
+through :meth:`PeerTable.drop`, which fails the peer's transfers under way, releases its
+descriptors and removes the remote agent. Engines also tell each other things through
+reserved notifications: a liveness probe, and a goodbye when one closes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from . import _protocol as proto
+from ._errors import AionixlError, PeerDisconnectedError
+from ._nixl import Agent, metadata_agent_name
+from ._ratelimit import RateLimitedLog
+from ._regions import Region, block_descriptors, region_offsets
+
+if TYPE_CHECKING:
+    from ._transfers import Transfers
+
+log = logging.getLogger("aionixl")
+
+#: Notifications engines send each other, never delivered to callers: the liveness probe,
+#: and the goodbye of a closing engine (tagged with a digest of its NIXL metadata).
+RESERVED = b"\x00aionixl-"
+PROBE = RESERVED + b"probe\x00"
+GOODBYE = RESERVED + b"goodbye\x00"
+
+
+def goodbye(metadata: bytes) -> bytes:
+    return GOODBYE + hashlib.sha256(metadata).digest()[:16]
+
+
+def user_message(value: object, what: str) -> bytes:
+    """A caller's notification as bytes; the engine's own reserved prefix is refused."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{what} must be bytes")
+    message = bytes(value)
+    if message.startswith(RESERVED):
+        raise ValueError(f"{what}: messages starting with b'\\x00aionixl-' are reserved for the engine")
+    return message
+
+
+class Peer:
+    """A remote engine this engine can move blocks to and from.
+
+    Returned by :meth:`Engine.connect`; peers that connected to us appear in
+    :attr:`Engine.peers` too (with ``address`` None). A peer object stays valid until
+    :meth:`Engine.disconnect` or the engine closes; ``connected`` then turns False. A peer
+    whose transfers fail (it died, the link broke) is evicted the same way: its transfers
+    then raise ``PeerDisconnectedError`` until ``connect()`` makes a new one.
+    """
+
+    __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets", "_offset_list",
+                 "_metadata", "_engine", "_connected", "_lost", "_one_block")
+
+    def __init__(self, engine: Any, name: str, address: str | None,
+                 regions: list[Region], dlist: int, metadata: bytes) -> None:
+        self.name = name
+        self.address = address
+        self.regions = tuple(regions)
+        self.num_blocks = regions[0].num_blocks
+        self._dlist = dlist
+        self._offsets = region_offsets(len(regions), self.num_blocks)
+        self._offset_list: list[int] = self._offsets.ravel().tolist()
+        self._metadata = metadata
+        self._engine = engine  # the Engine that owns this peer
+        self._connected = True
+        self._lost: BaseException | None = None  # why it was evicted, if it was
+        self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def __repr__(self) -> str:
+        state = "connected" if self._connected else "disconnected"
+        return f"<Peer {self.name!r} at {self.address or '(inbound)'} {state}>"
+
+
+class PeerTable:
+    """The live peers of one engine, by name and by address, and their NIXL state."""
+
+    def __init__(self, owner: Any, noisy: RateLimitedLog, on_admit: Callable[[], None]) -> None:
+        self.owner = owner
+        self.agent: Agent | None = None  # set once the engine's agent exists
+        self.transfers: Transfers | None = None
+        self.by_name: dict[str, Peer] = {}
+        self.by_address: dict[str, Peer] = {}
+        self.evicted = 0
+        self._noisy = noisy
+        self._on_admit = on_admit
+
+    def __bool__(self) -> bool:
+        return bool(self.by_name)
+
+    # ---- who is a peer ------------------------------------------------------------------
+
+    def own(self, peer: object) -> Peer:
+        """``peer`` if it is one of ours (live or not); ValueError otherwise."""
+        if not isinstance(peer, Peer) or peer._engine is not self.owner:
+            raise ValueError(f"unknown peer {peer!r}: not a Peer of this engine")
+        return peer
+
+    def live(self, peer: object) -> Peer:
+        """``peer`` if transfers may use it; the error its caller should see otherwise."""
+        p = self.own(peer)
+        if p._lost is not None:
+            raise PeerDisconnectedError(f"peer {p.name!r} was evicted after a failure ({p._lost}); "
+                                        "connect() to it again") from p._lost
+        if not p.connected:
+            raise ValueError(f"unknown peer {p.name!r}: it was disconnected")
+        return p
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def admit(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
+              address: str | None) -> Peer:
+        """Load a peer's metadata (or reuse what is loaded) and prepare its descriptors."""
+        agent = self.agent
+        assert agent is not None
+        existing = self.by_name.get(name)
+        if existing is not None and existing._metadata == metadata:
+            if address is not None and existing.address is None:
+                existing.address = address
+                self.by_address[address] = existing
+            return existing
+        # Checked before NIXL sees the metadata: loading another agent's metadata would
+        # replace that agent's state under our feet.
+        embedded = metadata_agent_name(metadata)
+        if embedded != name:
+            raise proto.ProtocolError(
+                f"the NIXL metadata of {proto.clip(name, 80)!r} is not an agent of that name "
+                f"(it names {proto.clip(embedded, 80) if embedded else 'no readable agent'})")
+        if existing is not None:  # same name, new incarnation
+            self.drop(existing, None, PeerDisconnectedError(f"peer {name!r} restarted; connect() again"))
+        agent.add_remote(metadata, name)
+        remote = [r.to_region() for r in regions]
+        try:
+            dlist = agent.prep_dlist(name, block_descriptors(remote), regions[0].mem_type)
+        except AionixlError:
+            _attempt(agent.remove_remote, name, [])
+            raise
+        peer = Peer(self.owner, name, address, remote, dlist, metadata)
+        self.by_name[name] = peer
+        if address is not None:
+            self.by_address[address] = peer
+        self._on_admit()
+        return peer
+
+    # ---- losing peers -------------------------------------------------------------------
+
+    def evict(self, peer: Peer, cause: BaseException) -> PeerDisconnectedError:
+        """Forget a peer NIXL reported failing; returns the error its callers get."""
+        error = PeerDisconnectedError(f"peer {peer.name!r} is unreachable and was evicted: {cause}")
+        error.__cause__ = cause
+        if peer._connected:
+            self._noisy.log(logging.WARNING, "evict", "evicting peer %r: %s", peer.name, cause)
+            peer._lost = cause
+            self.evicted += 1
+            self.drop(peer, None, error)
+        return error
+
+    def drop(self, peer: Peer, problems: list[str] | None, error: AionixlError | None = None) -> None:
+        """Fail the peer's transfers, release its descriptors, disconnect in NIXL.
+
+        With ``error`` the peer was lost (not disconnected on purpose): its transfers fail
+        with it, and later calls with this Peer raise PeerDisconnectedError.
+        """
+        peer._connected = False
+        if error is not None and peer._lost is None:
+            peer._lost = error
+        if self.by_name.get(peer.name) is peer:
+            del self.by_name[peer.name]
+        if peer.address is not None and self.by_address.get(peer.address) is peer:
+            del self.by_address[peer.address]
+        agent = self.agent
+        if agent is None:
+            return
+        if self.transfers is not None:
+            self.transfers.fail_peer(peer, error or PeerDisconnectedError(
+                f"peer {peer.name!r} was disconnected"))
+        sink: list[str] = [] if problems is None else problems
+        _attempt(agent.release_dlist, peer._dlist, sink)
+        _attempt(agent.remove_remote, peer.name, sink)
+        if problems is None and sink:
+            self._noisy.log(logging.WARNING, "drop", "dropping peer %r: %s", peer.name, "; ".join(sink))
+
+    def drop_all(self, problems: list[str]) -> None:
+        for peer in list(self.by_name.values()):
+            self.drop(peer, problems)
+
+    def heard(self, name: str, message: bytes) -> None:
+        """A reserved notification from ``name``: a goodbye drops that incarnation."""
+        if not message.startswith(GOODBYE):
+            return  # a probe: its arrival is all it had to do
+        peer = self.by_name.get(name)
+        # Only for the incarnation that said it: a restarted peer of the same name may
+        # have been admitted before the old one's goodbye was read.
+        if peer is not None and goodbye(peer._metadata) == message:
+            log.info("peer %r closed", name)
+            self.drop(peer, None, PeerDisconnectedError(f"peer {name!r} closed its engine"))
+
+    def probe(self) -> None:
+        """Find peers that died while idle: NIXL fails a notification to a peer that is gone."""
+        agent = self.agent
+        assert agent is not None
+        for peer in list(self.by_name.values()):
+            try:
+                agent.send_notif(peer.name, PROBE)
+            except PeerDisconnectedError as exc:
+                self.evict(peer, exc)
+            except AionixlError as exc:
+                self._noisy.log(logging.INFO, "probe", "probing peer %r: %s", peer.name, exc)
+
+    async def say_goodbye(self, own_metadata: bytes, deadline: float) -> None:
+        """Tell every peer we are going, so it drops us now instead of finding out later."""
+        agent = self.agent
+        if not self.by_name or agent is None:
+            return
+        message = goodbye(own_metadata)
+        for peer in self.by_name.values():
+            with suppress(AionixlError):
+                agent.send_notif(peer.name, message)
+        for _ in range(5):  # let the messages leave before the connections close
+            if anyio.current_time() >= deadline:
+                break
+            progress_quietly(agent)
+            await anyio.sleep(0.0005)
+
+
+def progress_quietly(agent: Agent) -> None:
+    """One NIXL progress call whose errors (peers already gone) do not matter here."""
+    with suppress(AionixlError):
+        agent.get_notifs()
+
+
+def _attempt(fn: Callable[[Any], object], arg: Any, problems: list[str]) -> None:
+    try:
+        fn(arg)
+    except AionixlError as exc:
+        problems.append(str(exc))
