@@ -28,7 +28,7 @@ from ._errors import (
     IncompatiblePeerError,
     ListenError,
 )
-from ._peers import Peer, PeerTable
+from ._peers import FEATURES, Peer, PeerTable
 from ._ratelimit import RateLimitedLog
 from ._regions import Region
 from ._util import OPEN, check_timeout, deadline
@@ -64,6 +64,8 @@ class Handshakes:
         self._connecting: dict[str, anyio.Event] = {}
         self._connect_errors: dict[str, BaseException] = {}
         self.accepted = self.rejected = 0
+        #: Where this engine runs, told to peers (see ``_protocol._EngineInfo.host``).
+        self._host: dict[str, str] = {}
 
     def _info(self) -> tuple[str, bytes, list[proto.RegionInfo], dict[str, str], str]:
         return (self._engine.name, self._engine._own_metadata,
@@ -117,7 +119,8 @@ class Handshakes:
                 return proto.Reject(version, "self", f"{proto.clip(hello.name)!r} is this engine's own name")
             proto.check_compatible(self._regions, self._compat, hello.regions, hello.compat)
             proto.check_hash(self._compat_hash, hello.compat_hash)
-            self._peers.admit(hello.name, hello.agent_metadata, hello.regions, None)
+            self._peers.admit(hello.name, hello.agent_metadata, hello.regions, None, hello.features,
+                              proto.clip_host(hello.host))
         except proto.ProtocolError as exc:
             self._noisy.log(logging.WARNING, "bad-hello", "rejected a handshake: %s", exc)
             return proto.Reject(version, exc.code, str(exc))
@@ -128,7 +131,7 @@ class Handshakes:
             self._noisy.log(logging.WARNING, "admit", "handshake failed on our side: %s",
                             proto.clip(repr(exc)))
             return proto.Reject(version, "internal", proto.clip(str(exc)))
-        return proto.Welcome(version, *self._info(), hello.nonce)
+        return proto.Welcome(version, *self._info(), hello.nonce, 0.0, sorted(FEATURES), self._host)
 
     # ---- connecting out -----------------------------------------------------------------
 
@@ -221,7 +224,8 @@ class Handshakes:
         agent, ctx = engine._agent, engine._zctx
         assert agent is not None and ctx is not None
         nonce = proto.new_nonce() if self._secret is not None else b""
-        hello = proto.Hello(proto.PROTOCOL_VERSION, *self._info(), nonce, time.time())
+        hello = proto.Hello(proto.PROTOCOL_VERSION, *self._info(), nonce, time.time(), sorted(FEATURES),
+                            self._host)
         limit = self._config.max_handshake_bytes
         with engine._operation():
             sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
@@ -262,7 +266,8 @@ class Handshakes:
             raise IncompatiblePeerError(f"peer {reply.name!r} at {address}: {exc}",
                                         field=exc.field) from None
         try:
-            peer = self._peers.admit(reply.name, reply.agent_metadata, reply.regions, address)
+            peer = self._peers.admit(reply.name, reply.agent_metadata, reply.regions, address,
+                                     reply.features, proto.clip_host(reply.host))
         except proto.ProtocolError as exc:
             raise RefusedError(f"unusable handshake reply from {address}: {exc}") from exc
         try:

@@ -36,6 +36,11 @@ PROBE = RESERVED + b"probe\x00"
 GOODBYE = RESERVED + b"goodbye\x00"
 
 
+#: Features this engine speaks, announced in the handshake. A peer uses one only when the
+#: other side announced it too.
+FEATURES: frozenset[str] = frozenset()
+
+
 def goodbye(metadata: bytes) -> bytes:
     return GOODBYE + hashlib.sha256(metadata).digest()[:16]
 
@@ -60,12 +65,17 @@ class Peer:
     then raise ``PeerDisconnectedError`` until ``connect()`` makes a new one.
     """
 
-    __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets", "_offset_list",
-                 "_metadata", "_engine", "_connected", "_lost", "_one_block")
+    __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
+                 "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block")
 
     def __init__(self, engine: Any, name: str, address: str | None,
-                 regions: list[Region], dlist: int, metadata: bytes) -> None:
+                 regions: list[Region], dlist: int, metadata: bytes,
+                 features: frozenset[str] = frozenset(), host: dict[str, str] | None = None) -> None:
         self.name = name
+        #: What the peer's engine said it can do (handshake ``features``).
+        self.features = features
+        #: What the peer's engine said about where it runs (handshake ``host``).
+        self.host: dict[str, str] = dict(host or {})
         self.address = address
         self.regions = tuple(regions)
         self.num_blocks = regions[0].num_blocks
@@ -124,7 +134,8 @@ class PeerTable:
     # ---- admission ----------------------------------------------------------------------
 
     def admit(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
-              address: str | None) -> Peer:
+              address: str | None, features: Sequence[str] = (),
+              host: dict[str, str] | None = None) -> Peer:
         """Load a peer's metadata (or reuse what is loaded) and prepare its descriptors."""
         agent = self.agent
         assert agent is not None
@@ -150,7 +161,8 @@ class PeerTable:
         except AionixlError:
             _attempt(agent.remove_remote, name, [])
             raise
-        peer = Peer(self.owner, name, address, remote, dlist, metadata)
+        peer = Peer(self.owner, name, address, remote, dlist, metadata,
+                    frozenset(f for f in features if f in FEATURES), host)
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer

@@ -61,6 +61,12 @@ class _EngineInfo(msgspec.Struct, frozen=True):
     #: and the sender's clock (a replayed Hello is either stale or a nonce seen before).
     nonce: bytes = b""
     sent_at: float = 0.0
+    #: What the sender's engine can do beyond protocol v1 (see ``aionixl._peers.FEATURES``);
+    #: an engine that predates a feature sends none, and is never asked to use it.
+    features: list[str] = msgspec.field(default_factory=list)
+    #: Facts about where the sender runs, for choices that depend on the path between two
+    #: engines (for example the read mode): opaque strings, compared for equality only.
+    host: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Hello(_EngineInfo, frozen=True, tag="hello"):
@@ -87,6 +93,11 @@ class _VersionOnly(msgspec.Struct):
 def clip(text: str, limit: int = 300) -> str:
     """Peer-supplied text goes into logs and replies only this long."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def clip_host(host: dict[str, str], entries: int = 16, limit: int = 200) -> dict[str, str]:
+    """A peer's ``host`` facts, bounded: at most ``entries`` of at most ``limit`` chars each."""
+    return {clip(k, limit): clip(v, limit) for k, v in list(host.items())[:entries]}
 
 
 class ProtocolError(Exception):

@@ -158,3 +158,21 @@ def test_peer_text_in_errors_is_clipped() -> None:
         proto.check_compatible(REGIONS, {"k": "x" * 50_000}, [proto.RegionInfo.of(r) for r in REGIONS],
                                {"k": "y"})
     assert len(str(info.value)) < 400 and "chars)" in str(info.value)
+
+
+def test_features_and_host_round_trip_and_older_messages_decode_without_them() -> None:
+    message = hello(features=["multi-notify"], host={"boot": "b1", "tls": "tcp"})
+    decoded = proto.decode_hello(proto.encode(message), LIMIT)
+    assert decoded.features == ["multi-notify"] and decoded.host == {"boot": "b1", "tls": "tcp"}
+    # An engine that predates the fields sends neither: they decode as "none".
+    older = msgspec.msgpack.decode(proto.encode(hello()))
+    del older["features"], older["host"]
+    plain = proto.decode_hello(msgspec.msgpack.encode(older), LIMIT)
+    assert plain.features == [] and plain.host == {}
+
+
+def test_host_facts_from_a_peer_are_bounded() -> None:
+    host = {f"k{i}" * 100: "v" * 1000 for i in range(40)}
+    clipped = proto.clip_host(host)
+    assert len(clipped) == 16
+    assert all(len(k) <= 230 and len(v) <= 230 for k, v in clipped.items())
