@@ -58,6 +58,16 @@ class EngineConfig:
     #: ``check_xfer_state`` calls made inline right after a post, before handing the
     #: transfer to the poller task. Saves a trip through the event loop for short transfers.
     inline_polls: int = 4
+    #: Merge concurrent ``transfer_blocks`` calls to one peer with the same op into one
+    #: NIXL request when they arrive together (see the README's "Coalescing"). A lone
+    #: caller never waits for company.
+    coalesce: bool = True
+    #: The most blocks one merged request carries; callers beyond it start another.
+    coalesce_max_blocks: int = 4096
+    #: Calls from different tasks closer together than this "arrive together": the later
+    #: one gathers a merged request (one trip through the event loop) instead of posting
+    #: alone. A caller looping on its own never gathers, whatever the window.
+    coalesce_window: float = 50e-6
 
     def __post_init__(self) -> None:
         if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
@@ -85,6 +95,7 @@ class EngineConfig:
         counts: dict[str, int] = {
             "max_pending_notifications": self.max_pending_notifications,
             "max_handshake_bytes": self.max_handshake_bytes,
+            "coalesce_max_blocks": self.coalesce_max_blocks,
         }
         for name, value in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -95,5 +106,11 @@ class EngineConfig:
         if self.handshake_secret is not None and (
                 not isinstance(self.handshake_secret, bytes) or len(self.handshake_secret) < 16):
             raise ValueError("handshake_secret must be bytes of at least 16 bytes, or None")
+        if not isinstance(self.coalesce_window, (int, float)) or isinstance(self.coalesce_window, bool) \
+                or not 0 <= self.coalesce_window < math.inf:
+            raise ValueError(f"coalesce_window must be a finite number of seconds >= 0, "
+                             f"got {self.coalesce_window!r}")
+        if not isinstance(self.coalesce, bool):
+            raise ValueError(f"coalesce must be a bool, got {self.coalesce!r}")
         if not isinstance(self.inline_polls, int) or self.inline_polls < 0:
             raise ValueError(f"inline_polls must be an int >= 0, got {self.inline_polls!r}")

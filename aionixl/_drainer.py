@@ -16,7 +16,7 @@ import anyio
 from ._config import EngineConfig
 from ._errors import AionixlError
 from ._notifications import Mailbox, Notification
-from ._peers import RESERVED, PeerTable
+from ._peers import MULTI, RESERVED, PeerTable, unpack_notifications
 from ._ratelimit import RateLimitedLog
 from ._transfers import Transfers
 
@@ -60,7 +60,12 @@ class NotificationDrainer:
             for peer_name, messages in notifs.items():
                 for message in messages:
                     if message.startswith(RESERVED):
-                        peers.heard(peer_name, message)
+                        if message.startswith(MULTI):
+                            for one in unpack_notifications(message):
+                                mailbox.deliver(Notification(peer_name, one))
+                                delivered = True
+                        else:
+                            peers.heard(peer_name, message)
                         continue
                     mailbox.deliver(Notification(peer_name, message))
                     delivered = True

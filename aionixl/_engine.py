@@ -154,6 +154,7 @@ class Engine:
         await self._tg.__aenter__()
         try:
             self._open_nixl()
+            self._transfers.bind_loop()
             self._zctx = zmq.Context()
             self._bg_started = True
             await self._tg.start(self._run_background)

@@ -17,6 +17,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 
 from . import _protocol as proto
 from ._errors import AionixlError, PeerDisconnectedError
@@ -38,7 +39,29 @@ GOODBYE = RESERVED + b"goodbye\x00"
 
 #: Features this engine speaks, announced in the handshake. A peer uses one only when the
 #: other side announced it too.
-FEATURES: frozenset[str] = frozenset()
+FEATURES: frozenset[str] = frozenset({"multi-notify"})
+
+#: One notification carrying several callers' messages (a coalesced transfer's): the
+#: receiving engine unpacks it and delivers each. Only sent to peers announcing
+#: "multi-notify".
+MULTI_NOTIFY = "multi-notify"
+MULTI = RESERVED + b"multi\x00"
+
+
+def pack_notifications(messages: list[bytes]) -> bytes:
+    return MULTI + msgspec.msgpack.encode(messages)
+
+
+def unpack_notifications(message: bytes) -> list[bytes]:
+    """The messages packed by :func:`pack_notifications`; [] for anything malformed."""
+    try:
+        messages = _decode_messages(memoryview(message)[len(MULTI):])
+    except msgspec.DecodeError:
+        return []
+    return [m for m in messages if not m.startswith(RESERVED)]
+
+
+_decode_messages = msgspec.msgpack.Decoder(list[bytes]).decode
 
 
 def goodbye(metadata: bytes) -> bytes:

@@ -7,21 +7,36 @@ loop turn and sets the event of each one that finished. Whatever happens to the 
 (done, timeout, cancelled, peer lost, engine closed), the handle is released exactly
 once, by whoever takes its record out of the table; a handle NIXL will not release yet
 is parked and retried by the poller. Close releases the rest (:meth:`Transfers.close`).
+
+Coalescing (``EngineConfig.coalesce``): when a call finds the engine busy with other
+callers (another task called just before it, or a merged request to that peer is still
+being gathered), it gathers: it yields once, and the calls to the same peer with the same
+op that arrive meanwhile join it. Then one NIXL request carries all their blocks, and all
+their notifications (packed into one reserved notification the peer unpacks: it arrives
+after the data, like any NIXL notification). Each caller keeps its own ids (validated
+before it joins), deadline, result and error. A lone caller never gathers.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 
 from ._config import EngineConfig
-from ._errors import AionixlError, PeerDisconnectedError, TransferError, TransferTimeoutError
+from ._errors import (
+    AionixlError,
+    EngineClosedError,
+    PeerDisconnectedError,
+    TransferError,
+    TransferTimeoutError,
+)
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
-from ._peers import Peer, PeerTable, progress_quietly, user_message
+from ._peers import MULTI_NOTIFY, Peer, PeerTable, pack_notifications, progress_quietly, user_message
 from ._regions import (
     IndexArray,
     Region,
@@ -32,7 +47,7 @@ from ._regions import (
     region_offsets,
     small_indices,
 )
-from ._util import OPEN, check_timeout, deadline
+from ._util import CLOSED, CLOSING, OPEN, check_timeout, current_task_getter, deadline
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -65,6 +80,38 @@ class _InFlight:
         self.event.set()
 
 
+class _Batch(_InFlight):
+    """One NIXL request carrying the blocks of several callers (its members).
+
+    Members share the record's event; each keeps its own entry (indices, destination
+    blocks, notification) so that one that leaves before the post takes its blocks along.
+    """
+
+    __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted")
+
+    def __init__(self, peer: Peer, op: Op) -> None:
+        super().__init__(peer)
+        self.op = op
+        self.entries: list[_Entry] = []
+        self.blocks = 0
+        self.dests: set[int] = set()
+        self.messages = 0
+        self.live = 0  # members still waiting for it
+        self.handle = NO_HANDLE
+        self.posted = False
+
+    def add(self, entry: _Entry) -> None:
+        self.entries.append(entry)
+        self.blocks += entry[2]
+        self.dests.update(entry[3])
+        if entry[4]:
+            self.messages += 1
+        self.live += 1
+
+
+#: (local indices, remote indices, blocks, destination block ids, notification)
+_Entry = tuple[Indices, Indices, int, Sequence[int], bytes]
+
 #: How long transfer_blocks may finish transfers inline before it yields to the loop: long
 #: while the loop has nothing else to run, short once a yield shows others were waiting
 #: (a yield that takes longer than _CROWDED).
@@ -91,6 +138,19 @@ class Transfers:
         self._bytes_per_block = sum(r.block_bytes for r in regions)
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
         self._inline_polls = config.inline_polls
+        self._coalesce = config.coalesce
+        self._max_merged = config.coalesce_max_blocks
+        self._window = config.coalesce_window
+        #: Merged requests still gathering members, by (peer, op).
+        self._gathering: dict[tuple[Peer, Op], _Batch] = {}
+        #: Who called last, and when: a call from another task right after it means
+        #: callers are arriving together, and this one gathers.
+        self._current_task: Callable[[], object] = _no_task
+        self._last_caller: object = None
+        self._last_call = 0.0
+        self.merged_requests = 0  # NIXL requests that carried more than one caller
+        self.merged_calls = 0  # calls that rode in one of them
+        self.reposts = 0  # merged requests posted again after a member left
         self.agent: Agent | None = None  # set once the engine's agent exists
         self.local_dlist = -1
         self.inflight: dict[int, _InFlight] = {}
@@ -143,6 +203,21 @@ class Transfers:
         agent = self.agent
         assert agent is not None and local_idx is not None and remote_idx is not None
         started = time.perf_counter()
+        if self._coalesce:
+            caller = self._current_task()
+            gathering = self._gathering.get((peer, op)) if self._gathering else None
+            together = gathering is not None or (caller is not self._last_caller
+                                                 and started - self._last_call < self._window)
+            self._last_caller, self._last_call = caller, started
+            if together and (not message or MULTI_NOTIFY in peer.features):
+                dest = _destinations(local_blocks if op == "read" else remote_blocks)
+                entry: _Entry = (local_idx, remote_idx, nblocks, dest, message)
+                limit = self._config.transfer_timeout if timeout is None else timeout
+                if gathering is not None and gathering.blocks + nblocks <= self._max_merged \
+                        and gathering.dests.isdisjoint(dest):
+                    gathering.add(entry)
+                    return await self._member(gathering, entry, started, limit)
+                return await self._gather(peer, op, entry, started, limit)
         try:
             handle, status = agent.start_xfer(op, self.local_dlist, local_idx, peer._dlist,
                                               remote_idx, message, self._inline_polls)
@@ -182,6 +257,149 @@ class Transfers:
             check_distinct(remote_ids, "remote_blocks (the destination of a write)")
         return (int(local_ids.size), descriptor_indices(self._offsets, local_ids),
                 descriptor_indices(peer._offsets, remote_ids))
+
+    # ---- coalescing ---------------------------------------------------------------------
+
+    async def _gather(self, peer: Peer, op: Op, entry: _Entry, started: float,
+                      limit: float) -> TransferResult:
+        """Open a merged request, let the callers arriving with us join, post it."""
+        batch = _Batch(peer, op)
+        batch.add(entry)
+        key = (peer, op)
+        self._gathering[key] = batch
+        try:
+            # One trip through the loop: the callers already scheduled run now and join.
+            # Shielded, so that the others are never left with nobody to post for them.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+        finally:
+            if self._gathering.get(key) is batch:
+                del self._gathering[key]
+        self._post(batch)
+        return await self._member(batch, entry, started, limit)
+
+    def _post(self, batch: _Batch) -> None:
+        """Post a gathered request (or fail it, if its peer or the engine went away)."""
+        batch.posted = True
+        peer = batch.peer
+        engine = self._engine
+        agent = self.agent
+        if not batch.entries:
+            batch.finish(DONE)
+            return
+        if agent is None or engine._state in (CLOSING, CLOSED):
+            batch.finish(ERR, EngineClosedError(f"engine {engine.name!r} closed"))
+            return
+        if not peer._connected:
+            lost = peer._lost
+            error = PeerDisconnectedError(f"peer {peer.name!r} was disconnected" if lost is None else
+                                          f"peer {peer.name!r} is unreachable and was evicted: {lost}")
+            error.__cause__ = lost
+            batch.finish(ERR, error)
+            return
+        entries = batch.entries
+        if len(entries) == 1:
+            local, remote, _, _, message = entries[0]
+        else:
+            local = _concat([e[0] for e in entries])
+            remote = _concat([e[1] for e in entries])
+            messages = [e[4] for e in entries if e[4]]
+            message = (b"" if not messages else messages[0] if len(messages) == 1
+                       else pack_notifications(messages))
+            self.merged_requests += 1
+            self.merged_calls += len(entries)
+        try:
+            handle, status = agent.start_xfer(batch.op, self.local_dlist, local, peer._dlist, remote,
+                                              message, self._inline_polls)
+        except PeerDisconnectedError as exc:
+            batch.finish(ERR, self._peers.evict(peer, exc))
+            return
+        except AionixlError as exc:
+            batch.finish(ERR, exc)
+            return
+        if status == DONE and handle == NO_HANDLE:
+            batch.finish(DONE)
+            return
+        batch.handle = handle
+        self.inflight[handle] = batch
+        if status == PROC:
+            self._poller_wakeup.set()
+        elif status == DONE:
+            batch.finish(DONE)
+        else:
+            self._peers.evict(peer, TransferError("NIXL reported the transfer failed (ERR)"))
+
+    async def _member(self, batch: _Batch, entry: _Entry, started: float,
+                      limit: float) -> TransferResult:
+        """Wait for a merged request as one of its callers; report this caller's part."""
+        try:
+            with deadline(limit):
+                await batch.event.wait()
+        except TimeoutError:
+            if not batch.event.is_set():
+                self._leave(batch, entry)
+                raise TransferTimeoutError(
+                    f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
+                    "it was aborted") from None
+            # It finished as the deadline passed: report what happened.
+        except BaseException:
+            if batch.event.is_set():
+                self._retire(batch)
+            else:
+                self._leave(batch, entry)
+            raise
+        self._retire(batch)
+        error = batch.error
+        if error is not None:
+            # A fresh error per caller: several callers share one failure.
+            raise type(error)(str(error)) from error.__cause__
+        if batch.status != DONE:
+            raise TransferError("NIXL reported the transfer failed (ERR)")
+        now = self._last_yield = time.perf_counter()
+        nblocks = entry[2]
+        return _new_tuple(TransferResult, (nblocks, nblocks * self._bytes_per_block, now - started))
+
+    def _leave(self, batch: _Batch, entry: _Entry) -> None:
+        """A member gives up (timeout, cancelled) before its merged request finished.
+
+        Not posted yet: its blocks are taken out. Posted: the request is aborted (as a
+        lone transfer would be) and, if other members remain, posted again for them alone,
+        so that the leaver's blocks are not moved after it returned and the others are
+        not failed. A request found finished on the way out is simply reported finished.
+        """
+        batch.live -= 1
+        if not batch.posted:
+            batch.entries.remove(entry)  # its blocks never go out
+            return
+        if batch.event.is_set():
+            return
+        agent = self.agent
+        handle = batch.handle
+        if agent is None or self.inflight.get(handle) is not batch:
+            return  # already failed or released by a close or an eviction
+        try:
+            if agent.check(handle) == DONE:
+                batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
+                return
+        except AionixlError:
+            pass  # the poller reports the failure to the others
+        batch.entries.remove(entry)
+        self._retire(batch)  # abort
+        if batch.live > 0:
+            batch.handle = NO_HANDLE
+            self.reposts += 1
+            self._post(batch)
+
+    def _retire(self, batch: _Batch) -> None:
+        """Release a merged request's handle, once, if the table still says it is ours."""
+        handle = batch.handle
+        if handle != NO_HANDLE and self.inflight.get(handle) is batch:
+            del self.inflight[handle]
+            assert self.agent is not None
+            self._release(self.agent, handle)
+
+    def bind_loop(self) -> None:
+        """Called in the engine's event loop: learn how to tell tasks apart cheaply."""
+        self._current_task = current_task_getter()
 
     # ---- waiting ------------------------------------------------------------------------
 
@@ -320,6 +538,27 @@ def _still_moving(agent: Agent, handle: int) -> bool:
         return agent.check(handle) == PROC
     except AionixlError:
         return False
+
+
+def _no_task() -> object:
+    return None
+
+
+def _destinations(blocks: Sequence[int] | IndexArray) -> Sequence[int]:
+    if isinstance(blocks, list):
+        return blocks
+    if isinstance(blocks, np.ndarray):
+        return blocks.ravel().tolist()
+    return [int(b) for b in blocks]
+
+
+def _concat(parts: list[Indices]) -> Indices:
+    if all(type(p) is list for p in parts):
+        out: list[int] = []
+        for p in parts:
+            out += p
+        return out
+    return np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
 
 
 def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> None:

@@ -1,0 +1,144 @@
+"""Concurrent one-block callers in one process against bare NIXL's batched loop of the same width.
+
+For each width W (1 = one sequential caller), both sides move W distinct one-block reads
+between two agents in this process (DRAM): bare NIXL posts W requests, then polls them
+all until done (its batched loop); aionixl starts W tasks that each await one
+``transfer_blocks`` call. Reports microseconds per transfer (medians over repeats, with
+min and max), the ratio to bare NIXL at the same width, and each contender's growth from
+width 1 to width W. Usage:
+    .venv/bin/python benchmarks/concurrency.py [--widths 1 64 1024] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import anyio
+import numpy as np
+
+import aionixl
+
+logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def bare(widths: list[int], regions: int, blocks: int, block_bytes: int, transfers: int,
+         repeats: int) -> dict[int, list[float]]:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    a, b = nixl_agent("conc-bare-a", cfg), nixl_agent("conc-bare-b", cfg)
+    mem_a = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(regions)]
+    mem_b = [np.full((blocks, block_bytes), 7, np.uint8) for _ in range(regions)]
+
+    def descs(mem: list[np.ndarray]) -> np.ndarray:
+        rows = [np.array([[m[i].ctypes.data, block_bytes, 0] for i in range(blocks)], np.uint64)
+                for m in mem]
+        return np.concatenate(rows)
+
+    regs = [(agent, agent.register_memory(np.array([[m.ctypes.data, m.nbytes, 0] for m in mem],
+                                                   np.uint64), "DRAM"))
+            for agent, mem in ((a, mem_a), (b, mem_b))]
+    a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", descs(mem_a), "DRAM")
+    remote = a.prep_xfer_dlist("conc-bare-b", descs(mem_b), "DRAM")
+    offsets = np.arange(regions, dtype=np.int32) * blocks
+    out: dict[int, list[float]] = {}
+    for width in widths:
+        idx = [offsets + (i % blocks) for i in range(width)]
+        rounds = max(1, transfers // width)
+        results = []
+        for rep in range(repeats + 1):
+            t = time.perf_counter()
+            for _ in range(rounds):
+                handles = [a.make_prepped_xfer("READ", local, idx[i], remote, idx[i])
+                           for i in range(width)]
+                states = [a.transfer(h) for h in handles]
+                pending = [h for h, s in zip(handles, states, strict=True) if s != "DONE"]
+                while pending:
+                    pending = [h for h in pending if a.check_xfer_state(h) != "DONE"]
+                    b.get_new_notifs()
+                for h in handles:
+                    h.release()
+            if rep:
+                results.append((time.perf_counter() - t) / (rounds * width))
+        out[width] = results
+    assert all((m == 7).all() for m in mem_a)
+    local.release()
+    remote.release()
+    a.remove_remote_agent("conc-bare-b")
+    for agent, reg in regs:
+        agent.deregister_memory(reg)
+    return out
+
+
+async def engine(widths: list[int], regions: int, blocks: int, block_bytes: int, transfers: int,
+                 repeats: int, coalesce: bool) -> dict[int, list[float]]:
+    src = [np.full((blocks, block_bytes), 7, np.uint8) for _ in range(regions)]
+    dst = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(regions)]
+    cfg = aionixl.EngineConfig(coalesce=coalesce)
+    out: dict[int, list[float]] = {}
+    async with aionixl.Engine("conc-src", src, config=cfg) as s, \
+            aionixl.Engine("conc-dst", dst, listen=None, config=cfg) as d:
+        assert s.address is not None
+        peer = await d.connect(s.address)
+
+        async def one(block: int) -> None:
+            await d.transfer_blocks(peer, [block], [block])
+
+        for width in widths:
+            rounds = max(1, transfers // width)
+            results = []
+            for rep in range(repeats + 1):
+                t = time.perf_counter()
+                for _ in range(rounds):
+                    if width == 1:
+                        await d.transfer_blocks(peer, [3], [3])
+                        continue
+                    async with anyio.create_task_group() as tg:
+                        for i in range(width):
+                            tg.start_soon(one, i % blocks)
+                if rep:
+                    results.append((time.perf_counter() - t) / (rounds * width))
+            out[width] = results
+    assert all((m == 7).all() for m in dst)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--widths", type=int, nargs="+", default=[1, 64, 1024])
+    p.add_argument("--regions", type=int, default=2)
+    p.add_argument("--block-bytes", type=int, default=4096)
+    p.add_argument("--transfers", type=int, default=4096, help="transfers per repeat and width")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    blocks = max(args.widths)
+    shape = (args.widths, args.regions, blocks, args.block_bytes)
+    rows: dict[str, dict[int, list[float]]] = {}
+    rows["bare NIXL batched"] = bare(*shape, args.transfers, args.repeats)
+    for backend in ("asyncio", "trio"):
+        for coalesce in (True, False):
+            name = f"aionixl {backend}{'' if coalesce else ' (no coalescing)'}"
+            rows[name] = anyio.run(engine, *shape, args.transfers, args.repeats, coalesce,
+                                   backend=backend)
+    base = {w: statistics.median(v) for w, v in rows["bare NIXL batched"].items()}
+    first = args.widths[0]
+    print(f"one-block reads, {args.regions} regions x {args.block_bytes} B, in one process; "
+          f"us per transfer, median [min-max] of {args.repeats}")
+    print(f"{'contender':<32}" + "".join(f"{'W=' + str(w):>26}" for w in args.widths)
+          + f"{'growth':>10}")
+    for name, by_width in rows.items():
+        cells = []
+        for w in args.widths:
+            v = by_width[w]
+            med = statistics.median(v)
+            cells.append(f"{med * 1e6:7.2f} [{min(v) * 1e6:.1f}-{max(v) * 1e6:.1f}] {med / base[w]:.2f}x")
+        growth = statistics.median(by_width[args.widths[-1]]) / statistics.median(by_width[first])
+        print(f"{name:<32}" + "".join(f"{c:>26}" for c in cells) + f"{growth:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

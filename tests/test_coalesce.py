@@ -1,0 +1,264 @@
+"""Coalesced transfers: concurrent callers merged into one NIXL request, each kept exact."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aionixl
+
+from .conftest import engine_pair, numpy_cache, unique, zero_resources
+
+pytestmark = pytest.mark.anyio
+
+BLOCKS, BLOCK_BYTES, REGIONS = 64, 1024, 2
+#: A wide window makes "arriving together" certain on a loaded machine.
+TOGETHER = aionixl.EngineConfig(coalesce_window=0.05)
+
+
+def merged(engine: aionixl.Engine) -> tuple[int, int]:
+    t = engine._transfers
+    return t.merged_requests, t.merged_calls
+
+
+async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=1)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=2)
+    src_before = [r.copy() for r in src_cache]
+    dst_before = [r.copy() for r in dst_cache]
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        # Reads: dst blocks 0..31 <- src blocks 32..63 (reversed), in calls of 1, 3 and 12.
+        reads: list[tuple[list[int], list[int]]] = []
+        local = list(range(32))
+        remote = list(range(63, 31, -1))
+        for size in (1, 3, 12, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1):
+            reads.append((local[:size], remote[:size]))
+            local, remote = local[size:], remote[size:]
+        assert not local
+        # Writes: dst blocks 32..47 -> src blocks 0..15, one or two at a time.
+        writes = [([32 + i, 33 + i], [i, i + 1]) for i in range(0, 16, 2)]
+        results: dict[int, aionixl.TransferResult] = {}
+
+        async def call(i: int, lb: list[int], rb: list[int], op: Any) -> None:
+            results[i] = await dst.transfer_blocks(peer, lb, rb, op=op)
+
+        async with anyio.create_task_group() as tg:
+            for i, (lb, rb) in enumerate(reads):
+                tg.start_soon(call, i, lb, rb, "read")
+            for j, (lb, rb) in enumerate(writes):
+                tg.start_soon(call, 100 + j, lb, rb, "write")
+        requests, calls = merged(dst)
+        assert requests >= 1 and calls >= 2 * requests, (requests, calls)
+        for i, (lb, rb) in enumerate(reads):
+            assert results[i].blocks == len(lb)
+            assert results[i].nbytes == len(lb) * BLOCK_BYTES * REGIONS
+            for region in range(REGIONS):
+                assert np.array_equal(dst_cache[region][lb], src_before[region][rb]), (i, region)
+        for lb, rb in writes:
+            for region in range(REGIONS):
+                assert np.array_equal(src_cache[region][rb], dst_before[region][lb])
+        # Blocks nobody touched are unchanged on both sides.
+        for region in range(REGIONS):
+            assert np.array_equal(src_cache[region][16:], src_before[region][16:])
+            assert np.array_equal(dst_cache[region][48:], dst_before[region][48:])
+    assert zero_resources(dst) and zero_resources(src)
+
+
+async def test_each_notification_arrives_once_and_after_its_data() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=3)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=4)
+    dst_before = [r.copy() for r in dst_cache]
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        seen: list[bytes] = []
+
+        async def write(i: int) -> None:
+            await dst.transfer_blocks(peer, [i], [i], op="write", notify=b"w-%d" % i)
+
+        async def read(i: int) -> None:
+            await dst.transfer_blocks(peer, [32 + i], [32 + i], op="read", notify=b"r-%d" % i)
+
+        async def watch(i: int) -> None:
+            note = await src.wait_notification(b"w-%d" % i, timeout=30)
+            # The target sees the notification only once this caller's block is in place.
+            for region in range(REGIONS):
+                assert np.array_equal(src_cache[region][i], dst_before[region][i])
+            seen.append(note.message)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(watch, i)
+            await anyio.sleep(0.05)
+            for i in range(16):
+                tg.start_soon(write, i)
+                tg.start_soon(read, i)
+        for i in range(16):
+            note = await src.wait_notification(b"r-%d" % i, timeout=30)
+            assert note.peer == dst.name
+        assert sorted(seen) == sorted(b"w-%d" % i for i in range(16))
+        requests, calls = merged(dst)
+        assert requests >= 1 and calls > requests
+        # Exactly once: nothing left over, nothing else arrives.
+        await anyio.sleep(0.1)
+        assert src.stats()["notifications_kept"] == 0
+        with pytest.raises(TimeoutError):
+            await src.wait_notification(b"w-0", timeout=0.2)
+
+
+async def test_a_bad_call_among_good_ones_fails_alone_before_anything_is_posted() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=5)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+        outcomes: dict[int, object] = {}
+
+        async def call(i: int, lb: list[int], rb: list[int]) -> None:
+            try:
+                outcomes[i] = await dst.transfer_blocks(peer, lb, rb)
+            except ValueError as exc:
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                bad = i == 4
+                tg.start_soon(call, i, [i], [BLOCKS + 5] if bad else [i])
+            tg.start_soon(call, 8, [9, 9], [1, 2])  # one destination block twice
+        assert isinstance(outcomes[4], ValueError) and "block id 69" in str(outcomes[4])
+        assert isinstance(outcomes[8], ValueError)
+        for i in (0, 1, 2, 3, 5, 6, 7):
+            assert isinstance(outcomes[i], aionixl.TransferResult)
+            for region in range(REGIONS):
+                assert np.array_equal(dst_cache[region][i], src_cache[region][i])
+        assert not dst_cache[0][9].any()
+
+
+async def test_writes_to_the_same_destination_block_are_never_merged() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+        posted: list[list[int]] = []
+        agent = dst._transfers.agent
+        assert agent is not None
+        real = agent.start_xfer
+
+        def spy(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any, *rest: Any) -> Any:
+            posted.append([int(i) for i in remote_idx])
+            return real(op, local, local_idx, remote, remote_idx, *rest)
+
+        agent.start_xfer = spy  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                # Six writers of remote block 7 (from six different local blocks), and others.
+                tg.start_soon(dst.transfer_blocks, peer, [i], [7], "write")
+                tg.start_soon(dst.transfer_blocks, peer, [10 + i], [20 + i], "write")
+        remote_offset = [0, BLOCKS]  # descriptor index of block b in region r: r * BLOCKS + b
+        for request in posted:
+            block7 = [i for i in request if i in (7 + remote_offset[0], 7 + remote_offset[1])]
+            assert len(block7) <= REGIONS, request  # block 7 at most once per request
+        assert any(len(r) > REGIONS for r in posted)  # and merging did happen
+
+
+async def test_cancelling_one_member_leaves_the_others_correct(peer_process_factory: Any) -> None:
+    """Over TCP with the peer stopped, a merged read stays in flight; one member is
+    cancelled, the others still get their bytes once the peer resumes."""
+    child = peer_process_factory(num_blocks=BLOCKS, block_bytes=BLOCK_BYTES, regions=REGIONS,
+                                 env={"UCX_TLS": "tcp"})
+    expected = child.expected()
+    local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=0.05)
+    async with aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+        peer = await eng.connect(child.address, timeout=30)
+        await eng.transfer_blocks(peer, [0], [0])  # connection warm
+        child.proc.send_signal(signal.SIGSTOP)
+        try:
+            done: dict[int, aionixl.TransferResult] = {}
+            cancelled: list[int] = []
+            scopes: dict[int, anyio.CancelScope] = {}
+
+            async def read(i: int) -> None:
+                with anyio.CancelScope() as scope:
+                    scopes[i] = scope
+                    done[i] = await eng.transfer_blocks(peer, [i], [i], timeout=30)
+                if scope.cancelled_caught:
+                    cancelled.append(i)
+                    for region in range(REGIONS):
+                        local[region][i] = 0xAB  # the caller reuses its block at once
+
+            async with anyio.create_task_group() as tg:
+                for i in range(1, 9):
+                    tg.start_soon(read, i)
+                await anyio.sleep(0.3)
+                assert eng.live_resources()["in_flight"] >= 1
+                scopes[4].cancel()
+                await anyio.sleep(0.1)
+                child.proc.send_signal(signal.SIGCONT)
+        finally:
+            child.proc.send_signal(signal.SIGCONT)
+        assert cancelled == [4]
+        assert sorted(done) == [1, 2, 3, 5, 6, 7, 8]
+        assert eng._transfers.reposts >= 1
+
+        for i in done:
+            for region in range(REGIONS):
+                assert np.array_equal(local[region][i], expected[region][i])
+        assert merged(eng)[0] >= 1
+        live = eng.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+    assert zero_resources(eng)
+
+
+async def test_a_peer_killed_under_a_merged_request_fails_every_member(peer_process_factory: Any) -> None:
+    child = peer_process_factory(num_blocks=BLOCKS, block_bytes=BLOCK_BYTES, regions=REGIONS,
+                                 env={"UCX_TLS": "tcp"})
+    local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=0.05)
+    async with aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+        peer = await eng.connect(child.address, timeout=30)
+        await eng.transfer_blocks(peer, [0], [0])
+        child.proc.send_signal(signal.SIGSTOP)
+        errors: list[BaseException] = []
+
+        async def read(i: int) -> None:
+            try:
+                await eng.transfer_blocks(peer, [i], [i], timeout=30)
+            except aionixl.AionixlError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(1, 9):
+                tg.start_soon(read, i)
+            await anyio.sleep(0.3)
+            assert merged(eng)[0] >= 1
+            child.proc.kill()
+            child.proc.wait()
+        assert len(errors) == 8
+        assert all(isinstance(e, aionixl.PeerDisconnectedError) for e in errors), errors
+        assert len({id(e) for e in errors}) == 8  # each member its own instance
+        assert not peer.connected
+        live = eng.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+    assert zero_resources(eng)
+
+
+async def test_a_lone_caller_never_gathers() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=7)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+        for i in range(200):
+            await dst.transfer_blocks(peer, [i % BLOCKS], [i % BLOCKS], notify=b"n")
+        assert merged(dst) == (0, 0)
+        assert np.array_equal(dst_cache[1], src_cache[1])
+
+
+async def test_coalescing_off_posts_one_request_per_call() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=8)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce=False)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        async with anyio.create_task_group() as tg:
+            for i in range(32):
+                tg.start_soon(dst.transfer_blocks, peer, [i], [i])
+        assert merged(dst) == (0, 0)
+        assert np.array_equal(dst_cache[0][:32], src_cache[0][:32])
