@@ -17,6 +17,8 @@ import pytest
 
 import aionixl
 
+pytest_plugins = ["aionixl.testing"]  # aionixl_remote, aionixl_pair
+
 _names = itertools.count()
 HERE = Path(__file__).parent
 
