@@ -47,6 +47,7 @@ class Request(msgspec.Struct, frozen=True):
     op: str
     message: bytes = b""
     timeout: float = 0.0
+    address: str = ""
 
 
 def _say(fd: int, **fields: object) -> None:
@@ -67,6 +68,9 @@ async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, object]
             return {"ok": False, "error": "TimeoutError",
                     "message": f"no notification {request.message!r} within {request.timeout} s"}
         return {"ok": True, "value": {"peer": note.peer, "message": note.message}}
+    if request.op == "connect":
+        peer = await engine.connect(request.address, timeout=request.timeout)
+        return {"ok": True, "value": peer.name}
     return {"ok": False, "error": "ValueError", "message": f"unknown control op {request.op!r}"}
 
 

@@ -347,6 +347,11 @@ class RemoteEngine:
         return make_caches(self.seed, **self.geometry)
 
     @property
+    def returncode(self) -> int | None:
+        """The current child's exit status once it has exited (negative: killed by that signal)."""
+        return self._proc.returncode if self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         """Whether the current child process has not exited."""
         return self._proc is not None and self._proc.returncode is None
@@ -383,9 +388,6 @@ class RemoteEngine:
         died: RemoteEngineError | None = None
         with anyio.CancelScope(shield=True):
             died = await self._stop()
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
         return died
 
     async def pause(self) -> None:
@@ -398,6 +400,17 @@ class RemoteEngine:
     async def resume(self) -> None:
         """SIGCONT the child."""
         self._signal(signal.SIGCONT)
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """``async with remote.paused():`` the child is stopped inside the block."""
+        await self.pause()
+        try:
+            yield
+        finally:
+            if self.running:
+                with anyio.CancelScope(shield=True):
+                    await self.resume()
 
     async def kill(self) -> None:
         """SIGKILL the child; returns once the process is gone (reaped)."""
@@ -443,6 +456,12 @@ class RemoteEngine:
         reply = await self._call("stats")
         return {str(k): int(v) for k, v in reply.value.items()}
 
+    async def connect(self, address: str, timeout: float = 10.0) -> str:
+        """Make the child engine connect to ``address`` (an engine of the test, say, so that
+        it sees the child as an inbound peer); returns the name of the peer it reached."""
+        reply = await self._call("connect", extra_time=timeout, address=address, timeout=float(timeout))
+        return str(reply.value)
+
     async def wait_notification(self, message: bytes, timeout: float) -> Notification:
         """The child engine's ``wait_notification(message, timeout=timeout)``: the
         notification, or ``TimeoutError``."""
@@ -464,20 +483,27 @@ class RemoteEngine:
         os.kill(proc.pid, signum)
         return proc.pid
 
-    def _tail(self) -> str:
-        if self._stderr is None:
+    def stderr_tail(self, nbytes: int = _TAIL_BYTES) -> str:
+        """The last ``nbytes`` the current (or last) child wrote to stderr; its stdout goes
+        there too, so NIXL's and UCX's messages are in it."""
+        if self._stderr is None or self._stderr.closed:
             return ""
         fd = self._stderr.fileno()
         size = os.fstat(fd).st_size
-        start = max(0, size - _TAIL_BYTES)
+        start = max(0, size - nbytes)
         return os.pread(fd, size - start, start).decode(errors="replace")
+
+    def __del__(self) -> None:
+        stderr = getattr(self, "_stderr", None)
+        if stderr is not None:
+            stderr.close()
 
     def _raise_died(self, message: str) -> NoReturn:
         proc = self._proc
         self._expected_exit = True  # reported now: exit will not report it again
         raise RemoteEngineError(f"{self.name}: {message}",
                                 returncode=proc.returncode if proc is not None else None,
-                                stderr_tail=self._tail())
+                                stderr_tail=self.stderr_tail())
 
     async def _spawn(self) -> None:
         listen = self._address if self._address is not None else self._listen
@@ -525,7 +551,7 @@ class RemoteEngine:
                 await self._stop(graceful=ready is not None)
             why = "did not start" if ready is None else f"failed to start: {ready.error}: {ready.message}"
             raise RemoteEngineError(f"{self.name}: the remote engine {why}",
-                                    returncode=proc.returncode, stderr_tail=self._tail())
+                                    returncode=proc.returncode, stderr_tail=self.stderr_tail())
         assert ready.address is not None
         self._address = ready.address
 
@@ -592,7 +618,7 @@ class RemoteEngine:
         died: RemoteEngineError | None = None
         if proc.returncode is not None and not self._expected_exit:
             died = RemoteEngineError(f"{self.name}: the remote engine's process died",
-                                     returncode=proc.returncode, stderr_tail=self._tail())
+                                     returncode=proc.returncode, stderr_tail=self.stderr_tail())
         self._expected_exit = True
         try:
             if proc.returncode is None:

@@ -10,19 +10,20 @@ import sys
 import anyio
 
 import aionixl
+from aionixl.testing import RemoteEngine
 
-from .conftest import PeerProcess, numpy_cache
+from .conftest import numpy_cache
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 async def main() -> None:
-    peer_process = PeerProcess(seed=1, num_blocks=64, block_bytes=1 << 18, regions=2)
     outcomes: dict[str, int] = {}
-    try:
+    remote = RemoteEngine(seed=1, num_blocks=64, block_shape=(1 << 18,), dtypes=("uint8", "uint8"))
+    async with remote:
         eng = aionixl.Engine("close-check", numpy_cache(64, 1 << 18, 2), listen=None)
         async with eng:
-            peer = await eng.connect(peer_process.address, timeout=30)
+            peer = await eng.connect(remote.address, timeout=30)
 
             async def read(block: int) -> None:
                 try:
@@ -38,8 +39,8 @@ async def main() -> None:
                 await anyio.sleep(0.01)
                 in_flight = eng.live_resources()["in_flight"]
                 await eng.aclose()
-    finally:
-        peer_process.stop()
+    # The child's output (its UCX warnings, if any) goes to a file: the test reads it here.
+    sys.stderr.write(remote.stderr_tail(1 << 24))
     print(json.dumps({"in_flight_at_close": in_flight, "outcomes": outcomes,
                       "resources": eng.live_resources()}), flush=True)
 

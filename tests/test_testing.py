@@ -87,8 +87,8 @@ def test_make_caches_is_a_cheap_deterministic_function_of_seed_region_block() ->
 def test_assert_blocks_equal_names_the_first_region_and_block_that_differ() -> None:
     remote = make_caches(3, **GEOMETRY)
     local = [torch.zeros_like(r) for r in remote]
-    for r, l in zip(remote, local, strict=True):
-        l[[0, 1, 2]] = r[[9, 4, 4]]
+    for theirs, mine in zip(remote, local, strict=True):
+        mine[[0, 1, 2]] = theirs[[9, 4, 4]]
     assert_blocks_equal(local, [0, 1, 2], 3, [9, 4, 4], **GEOMETRY)
     # numpy regions of another dtype with the same bytes per block are compared by bytes.
     as_bytes = [r.view(-1).view(torch.uint8).view(16, -1).numpy() for r in local]
@@ -156,27 +156,37 @@ async def test_assert_no_resources_lists_what_is_still_held() -> None:
 async def test_remote_read_killed_then_restarted_with_new_bytes(aionixl_remote: RemoteEngineFactory) -> None:
     remote = aionixl_remote(seed=11, **GEOMETRY)
     caches = make_caches(99, **GEOMETRY)
-    async with remote, aionixl.Engine(unique_name("reader"), caches, listen=None) as local:
-        first_pid, address = remote.pid, remote.address
-        peer = await local.connect(remote.address, timeout=30)
-        assert peer.name == remote.name
-        await local.transfer_blocks(peer, [0, 1], [15, 3])
-        assert_blocks_equal(caches, [0, 1], 11, [15, 3], **GEOMETRY)
-        await remote.kill()
-        assert gone(first_pid) and not remote.running
-        with pytest.raises(aionixl.PeerDisconnectedError):
-            await local.transfer_blocks(peer, [2], [2], timeout=10)
-        with pytest.raises(RemoteEngineError, match="not running"):
-            await remote.live_resources()
-        await remote.restart(seed=12)
-        assert remote.address == address and remote.pid != first_pid and remote.seed == 12
-        again = await local.connect(remote.address, timeout=30)
-        await local.transfer_blocks(again, [4, 5], [15, 3])
-        assert_blocks_equal(caches, [4, 5], 12, [15, 3], **GEOMETRY)  # the new incarnation's bytes
-        with pytest.raises(AssertionError):
-            assert_blocks_equal(caches, [4], 11, [15], **GEOMETRY)
-        assert (await remote.live_resources())["remote_agents"] == 1
-    assert gone(remote.pid)
+    reached_the_end = False
+    async with aionixl.Engine(unique_name("reader"), caches, listen=None) as local:
+        with pytest.raises(RemoteEngineError, match="died") as died:
+            async with remote:
+                first_pid, address = remote.pid, remote.address
+                peer = await local.connect(remote.address, timeout=30)
+                assert peer.name == remote.name
+                await local.transfer_blocks(peer, [0, 1], [15, 3])
+                assert_blocks_equal(caches, [0, 1], 11, [15, 3], **GEOMETRY)
+                await remote.kill()
+                assert gone(first_pid) and not remote.running
+                with pytest.raises(aionixl.PeerDisconnectedError):
+                    await local.transfer_blocks(peer, [2], [2], timeout=10)
+                with pytest.raises(RemoteEngineError, match="not running"):
+                    await remote.live_resources()
+                await remote.restart(seed=12)
+                assert remote.address == address and remote.pid != first_pid and remote.seed == 12
+                again = await local.connect(remote.address, timeout=30)
+                await local.transfer_blocks(again, [4, 5], [15, 3])
+                assert_blocks_equal(caches, [4, 5], 12, [15, 3], **GEOMETRY)  # the new bytes
+                with pytest.raises(AssertionError):
+                    assert_blocks_equal(caches, [4], 11, [15], **GEOMETRY)
+                assert (await remote.live_resources())["remote_agents"] == 1
+                # Dying on its own (not through kill()) with nobody asking: reported on exit.
+                os.kill(remote.pid, signal.SIGKILL)
+                with anyio.fail_after(10):
+                    while remote.running:
+                        await anyio.sleep(0.01)
+                reached_the_end = True
+    assert reached_the_end and died.value.returncode == -signal.SIGKILL
+    assert gone(first_pid) and gone(remote.pid)
     assert_no_resources(local)
 
 
@@ -205,9 +215,14 @@ async def test_paused_remote_times_out_a_read_and_serves_it_after_resume(
 
 
 @pytest.mark.anyio
-async def test_wait_notification_is_answered_by_the_child() -> None:
-    async with RemoteEngine(seed=5, **GEOMETRY) as remote, \
-            aionixl.Engine(unique_name("reader"), make_caches(6, **GEOMETRY), listen=None) as local:
+async def test_wait_notification_is_answered_by_the_child_with_the_config_it_was_given() -> None:
+    config = aionixl.EngineConfig(handshake_secret=b"s" * 16, peer_probe_interval=math.inf)
+    async with RemoteEngine(seed=5, config=config, **GEOMETRY) as remote, \
+            aionixl.Engine(unique_name("reader"), make_caches(6, **GEOMETRY), listen=None,
+                           config=config) as local, \
+            aionixl.Engine(unique_name("unsigned"), make_caches(6, **GEOMETRY), listen=None) as unsigned:
+        with pytest.raises(aionixl.HandshakeError):  # the child's engine has the secret
+            await unsigned.connect(remote.address, timeout=5)
         peer = await local.connect(remote.address, timeout=30)
         await local.transfer_blocks(peer, [0], [1], notify=b"req-1")
         note = await remote.wait_notification(b"req-1", timeout=10)
@@ -224,7 +239,7 @@ async def test_wait_notification_is_answered_by_the_child() -> None:
 async def test_a_child_that_dies_on_its_own_is_reported_with_status_and_stderr() -> None:
     # faulthandler writes "Fatal Python error: Segmentation fault" to the child's stderr.
     remote = RemoteEngine(seed=1, num_blocks=2, env={"PYTHONFAULTHANDLER": "1"})
-    async with remote:
+    async with remote:  # reported once below: leaving the block does not raise it again
         os.kill(remote.pid, signal.SIGSEGV)
         with pytest.raises(RemoteEngineError) as info:
             await remote.live_resources()
@@ -233,15 +248,7 @@ async def test_a_child_that_dies_on_its_own_is_reported_with_status_and_stderr()
         assert f"exit status {-signal.SIGSEGV}" in str(info.value)
         with pytest.raises(RemoteEngineError):
             await remote.pause()
-    # Reported once: leaving the block did not raise it again. Unreported, exit reports it.
-    with pytest.raises(RemoteEngineError, match="died") as info:
-        async with RemoteEngine(seed=1, num_blocks=2) as other:
-            os.kill(other.pid, signal.SIGKILL)
-            with anyio.fail_after(10):
-                while other.running:
-                    await anyio.sleep(0.01)
-    assert info.value.returncode == -signal.SIGKILL
-    assert gone(remote.pid) and gone(other.pid)
+    assert gone(remote.pid)
 
 
 @pytest.mark.anyio
@@ -252,52 +259,10 @@ async def test_a_child_that_cannot_start_is_reported() -> None:
     assert info.value.returncode == 3
 
 
-@pytest.mark.anyio
-async def test_a_remote_engine_applies_the_config_it_is_given() -> None:
-    config = aionixl.EngineConfig(handshake_secret=b"s" * 16, peer_probe_interval=math.inf)
-    async with RemoteEngine(seed=2, num_blocks=2, config=config) as remote:
-        async with aionixl.Engine(unique_name("plain"), make_caches(3, num_blocks=2), listen=None) as plain:
-            with pytest.raises(aionixl.HandshakeError):
-                await plain.connect(remote.address, timeout=5)
-        async with aionixl.Engine(unique_name("signed"), make_caches(3, num_blocks=2), listen=None,
-                                  config=config) as signed:
-            peer = await signed.connect(remote.address, timeout=10)
-            await signed.transfer_blocks(peer, [0], [1])
-
-
-# ---- the fixtures under each async plugin, in a fresh pytest
+# ---- the fixtures under pytest-asyncio alone, in a fresh pytest
 
 
 PLUGIN_TESTS = {
-    "anyio": """
-        import os
-        import pytest
-        from aionixl.testing import assert_blocks_equal
-
-        pytest_plugins = ["aionixl.testing"]
-        pytestmark = pytest.mark.anyio
-        started = []
-
-        @pytest.fixture(params=["asyncio", "trio"])
-        def anyio_backend(request):
-            return request.param
-
-        @pytest.mark.aionixl_pair(seed=3, num_blocks=8)
-        async def test_fixtures(aionixl_pair, aionixl_remote, anyio_backend):
-            pair = aionixl_pair
-            await pair.a.transfer_blocks(pair.peer, [0, 1], [7, 6])
-            assert_blocks_equal(pair.a_caches, [0, 1], 4, [7, 6], num_blocks=8)
-            remote = await aionixl_remote(seed=9, num_blocks=8)
-            async with aionixl_remote(seed=10, num_blocks=8) as other:
-                started.extend([remote.pid, other.pid])
-                peer = await pair.a.connect(remote.address)
-                await pair.a.transfer_blocks(peer, [2], [5])
-                assert_blocks_equal(pair.a_caches, [2], 9, [5], num_blocks=8)
-
-        def test_teardown_stopped_them():
-            assert len(started) == 4
-            assert not [pid for pid in started if os.path.exists(f"/proc/{pid}")]
-    """,
     "asyncio": """
         import asyncio
         import os
@@ -313,24 +278,25 @@ PLUGIN_TESTS = {
             async with asyncio.timeout(30):
                 await pair.a.transfer_blocks(pair.peer, [0, 1], [63, 62])
             assert_blocks_equal(pair.a_caches, [0, 1], 1, [63, 62])
-            remote = await aionixl_remote(seed=9, num_blocks=8)
-            started.append(remote.pid)
-            peer = await pair.a.connect(remote.address)
-            await pair.a.transfer_blocks(peer, [2], [5])
-            assert_blocks_equal(pair.a_caches, [2], 9, [5], num_blocks=8)
+            async with aionixl_remote(seed=9, num_blocks=8) as remote:
+                started.append(remote.pid)
+                peer = await pair.a.connect(remote.address)
+                await pair.a.transfer_blocks(peer, [2], [5])
+                assert_blocks_equal(pair.a_caches, [2], 9, [5], num_blocks=8)
+            leftover = await aionixl_remote(seed=1, num_blocks=2)  # stopped at teardown
+            started.append(leftover.pid)
 
         def test_teardown_stopped_them():
-            assert len(started) == 1 and not os.path.exists(f"/proc/{started[0]}")
+            assert len(started) == 2 and not [p for p in started if os.path.exists(f"/proc/{p}")]
     """,
 }
 
 
-@pytest.mark.parametrize(("plugin", "disabled", "passed"),
-                         [("anyio", "asyncio", 3), ("asyncio", "anyio", 2)])
-def test_fixtures_work_under_each_async_plugin(tmp_path: Path, plugin: str, disabled: str,
-                                               passed: int) -> None:
-    """aionixl_remote and aionixl_pair in a fresh pytest with only one async plugin loaded
-    (in this suite both are loaded, and the tests above use the fixtures under anyio)."""
+def test_fixtures_work_under_pytest_asyncio_alone(tmp_path: Path) -> None:
+    """aionixl_remote and aionixl_pair in a fresh pytest with pytest-asyncio and without
+    anyio's plugin. (In this suite both plugins are loaded: the tests above use the fixtures
+    under anyio on asyncio and trio, test_asyncio_server.py under pytest-asyncio.)"""
+    plugin, disabled, passed = "asyncio", "anyio", 2
     (tmp_path / "test_plugin.py").write_text(textwrap.dedent(PLUGIN_TESTS[plugin]))
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     run = subprocess.run(
