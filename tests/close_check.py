@@ -10,22 +10,23 @@ import sys
 import anyio
 
 import aionixl
+from aionixl.testing import RemoteEngine
 
-from .conftest import PeerProcess, numpy_cache
+from .conftest import numpy_cache
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 async def main() -> None:
-    peer_process = PeerProcess(seed=1, num_blocks=64, block_bytes=1 << 18, regions=2)
     outcomes: dict[str, int] = {}
-    try:
+    remote = RemoteEngine(seed=1, num_blocks=64, block_shape=(1 << 18,), dtypes=("uint8", "uint8"))
+    async with remote:
         # A longer grace than the default 0.5 s: on a loaded 2-core machine 64 reads of
         # 512 KiB over TCP can outlast 0.5 s, and what is checked is that close waits.
         eng = aionixl.Engine("close-check", numpy_cache(64, 1 << 18, 2), listen=None,
                              config=aionixl.EngineConfig(close_grace=3.0))
         async with eng:
-            peer = await eng.connect(peer_process.address, timeout=30)
+            peer = await eng.connect(remote.address, timeout=30)
 
             async def read(block: int) -> None:
                 try:
@@ -41,8 +42,8 @@ async def main() -> None:
                 await anyio.sleep(0.01)
                 in_flight = eng.live_resources()["in_flight"]
                 await eng.aclose()
-    finally:
-        peer_process.stop()
+    # The child's output (its UCX warnings, if any) goes to a file: the test reads it here.
+    sys.stderr.write(remote.stderr_tail(1 << 24))
     print(json.dumps({"in_flight_at_close": in_flight, "outcomes": outcomes,
                       "resources": eng.live_resources()}), flush=True)
 

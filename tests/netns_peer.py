@@ -4,12 +4,12 @@ namespace, ``stress/fuzz_listener.py`` runs it as the listener under attack.
     python tests/netns_peer.py --role prefill --name N --listen tcp://10.231.1.1:0 --seed 7
     python tests/netns_peer.py --role decode --name M --seed 7
 
-The prefill role serves blocks filled from ``--seed`` (the same rule as
-``conftest.numpy_cache``); the decode role starts with zeros and checks every block it reads
-against that rule. Commands come on stdin, one JSON object per line; every line this
-script means for the parent starts with ``@@ `` (NIXL and UCX print to stdout too). Each
-command gets exactly one reply line with ``"reply": <op>``; ``stream`` also sends a
-``{"event": "streaming"}`` line once it is under way. EOF on stdin closes the engine.
+The prefill role serves blocks filled from ``--seed`` (``aionixl.testing.make_caches``);
+the decode role starts with zeros and checks every block it reads against that rule.
+Commands come on stdin, one JSON object per line; every line this script means for the
+parent starts with ``@@ `` (NIXL and UCX print to stdout too). Each command gets exactly
+one reply line with ``"reply": <op>``; ``stream`` also sends a ``{"event": "streaming"}``
+line once it is under way. EOF on stdin closes the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import anyio
 import numpy as np
 
 import aionixl
+from aionixl.testing import make_caches
 
 MARK = "@@ "
 
@@ -36,8 +37,8 @@ def say(**fields: Any) -> None:
 
 
 def seeded(seed: int, blocks: int, block_bytes: int, regions: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8) for _ in range(regions)]
+    """``aionixl.testing.make_caches`` blocks of ``block_bytes`` bytes, as numpy arrays."""
+    return [t.numpy() for t in make_caches(seed, blocks, (block_bytes,), ("uint8",) * regions)]
 
 
 class Driver:

@@ -4,16 +4,15 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from typing import Any
 
 import numpy as np
 import pytest
 
 import aionixl
+from aionixl._pytest_plugin import RemoteEngineFactory
+from aionixl.testing import assert_blocks_equal
 
-from .conftest import PeerProcess, engine_pair, numpy_cache, unique
+from .conftest import engine_pair, numpy_cache, unique
 
 
 @pytest.mark.asyncio
@@ -45,15 +44,16 @@ async def test_task_cancel_of_a_notification_wait() -> None:
 
 @pytest.mark.asyncio
 async def test_asyncio_timeout_and_task_cancel_release_stuck_transfers(
-        peer_process_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        aionixl_remote: RemoteEngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also the aionixl_remote fixture under pytest-asyncio (with anyio's plugin loaded too)."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    child: PeerProcess = peer_process_factory(num_blocks=4, block_bytes=4 << 20, regions=1,
-                                              env={"UCX_TLS": "tcp"})
-    async with aionixl.Engine(unique("dec"), numpy_cache(4, 4 << 20, 1), listen=None) as eng:
+    child = await aionixl_remote(seed=1234, num_blocks=4, block_shape=(4 << 20,), dtypes=("uint8",),
+                                 env={"UCX_TLS": "tcp"})
+    local = numpy_cache(4, 4 << 20, 1)
+    async with aionixl.Engine(unique("dec"), local, listen=None) as eng:
         peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0], timeout=30)
-        os.kill(child.proc.pid, signal.SIGSTOP)
-        try:
+        async with child.paused():
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.2):
                     await eng.transfer_blocks(peer, [1], [1])
@@ -66,6 +66,5 @@ async def test_asyncio_timeout_and_task_cancel_release_stuck_transfers(
                 await task
             assert eng.live_resources()["transfer_handles"] == 0
             assert eng.live_resources()["in_flight"] == 0
-        finally:
-            os.kill(child.proc.pid, signal.SIGCONT)
         await eng.transfer_blocks(peer, [3], [3], timeout=30)
+        assert_blocks_equal(local, [0, 3], child.seed, [0, 3], **child.geometry)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from typing import Any
 
 import anyio
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 import aionixl
+from aionixl.testing import RemoteEngine, assert_blocks_equal
 
 from .conftest import engine_pair, numpy_cache, unique, zero_resources
 
@@ -160,18 +160,20 @@ async def test_writes_to_the_same_destination_block_are_never_merged() -> None:
         assert any(len(r) > REGIONS for r in posted)  # and merging did happen
 
 
-async def test_cancelling_one_member_leaves_the_others_correct(peer_process_factory: Any) -> None:
+GEOMETRY: dict[str, Any] = {"num_blocks": BLOCKS, "block_shape": (BLOCK_BYTES,),
+                            "dtypes": ("uint8",) * REGIONS}
+
+
+async def test_cancelling_one_member_leaves_the_others_correct() -> None:
     """Over TCP with the peer stopped, a merged read stays in flight; one member is
     cancelled, the others still get their bytes once the peer resumes."""
-    child = peer_process_factory(num_blocks=BLOCKS, block_bytes=BLOCK_BYTES, regions=REGIONS,
-                                 env={"UCX_TLS": "tcp"})
-    expected = child.expected()
     local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     config = aionixl.EngineConfig(coalesce_window=0.05)
-    async with aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+    async with RemoteEngine(seed=11, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
+            aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
         peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])  # connection warm
-        child.proc.send_signal(signal.SIGSTOP)
+        await child.pause()
         try:
             done: dict[int, aionixl.TransferResult] = {}
             cancelled: list[int] = []
@@ -193,31 +195,27 @@ async def test_cancelling_one_member_leaves_the_others_correct(peer_process_fact
                 assert eng.live_resources()["in_flight"] >= 1
                 scopes[4].cancel()
                 await anyio.sleep(0.1)
-                child.proc.send_signal(signal.SIGCONT)
+                await child.resume()
         finally:
-            child.proc.send_signal(signal.SIGCONT)
+            await child.resume()
         assert cancelled == [4]
         assert sorted(done) == [1, 2, 3, 5, 6, 7, 8]
         assert eng._transfers.reposts >= 1
-
-        for i in done:
-            for region in range(REGIONS):
-                assert np.array_equal(local[region][i], expected[region][i])
+        assert_blocks_equal(local, sorted(done), 11, sorted(done), **GEOMETRY)
         assert merged(eng)[0] >= 1
         live = eng.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
     assert zero_resources(eng)
 
 
-async def test_a_peer_killed_under_a_merged_request_fails_every_member(peer_process_factory: Any) -> None:
-    child = peer_process_factory(num_blocks=BLOCKS, block_bytes=BLOCK_BYTES, regions=REGIONS,
-                                 env={"UCX_TLS": "tcp"})
+async def test_a_peer_killed_under_a_merged_request_fails_every_member() -> None:
     local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     config = aionixl.EngineConfig(coalesce_window=0.05)
-    async with aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+    async with RemoteEngine(seed=12, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
+            aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
         peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])
-        child.proc.send_signal(signal.SIGSTOP)
+        await child.pause()
         errors: list[BaseException] = []
 
         async def read(i: int) -> None:
@@ -231,8 +229,7 @@ async def test_a_peer_killed_under_a_merged_request_fails_every_member(peer_proc
                 tg.start_soon(read, i)
             await anyio.sleep(0.3)
             assert merged(eng)[0] >= 1
-            child.proc.kill()
-            child.proc.wait()
+            await child.kill()
         assert len(errors) == 8
         assert all(isinstance(e, aionixl.PeerDisconnectedError) for e in errors), errors
         assert len({id(e) for e in errors}) == 8  # each member its own instance

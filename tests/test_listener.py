@@ -35,8 +35,9 @@ from hypothesis import strategies as st
 
 import aionixl
 from aionixl import _protocol as proto
+from aionixl.testing import RemoteEngine, assert_blocks_equal
 
-from .conftest import PeerProcess, numpy_cache, unique, zero_resources
+from .conftest import numpy_cache, unique, zero_resources
 from .recording import record_hello
 
 #: max_handshake_bytes of the engines here: small, so that oversized frames are cheap.
@@ -550,7 +551,7 @@ SECRET = b"0123456789abcdef-shared-secret"
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the listener is a child; one loop is enough
 def test_crafted_nixl_metadata_is_refused_before_nixl_with_a_secret(
-        harness: Harness, peer_process_factory: Any) -> None:
+        harness: Harness) -> None:
     """NIXL/UCX limit, reachable from any listener: a real Hello with ONE byte changed (the
     first byte of the UCX worker address blob, the 14th byte after "UCX|c", set to 0xff)
     trips a UCX assertion inside add_remote_agent and abort()s the whole process (seen with
@@ -558,8 +559,16 @@ def test_crafted_nixl_metadata_is_refused_before_nixl_with_a_secret(
     engines share EngineConfig.handshake_secret: unsigned or wrongly signed hellos are
     refused ("unauthorized") before NIXL sees them. The listener runs in a child process here
     so that the test would see it die."""
-    child: PeerProcess = peer_process_factory(num_blocks=BLOCKS, block_bytes=BLOCK_BYTES,
-                                              regions=REGIONS, secret=SECRET)
+    child = RemoteEngine(seed=1234, num_blocks=BLOCKS, block_shape=(BLOCK_BYTES,),
+                         dtypes=("uint8",) * REGIONS, config=aionixl.EngineConfig(handshake_secret=SECRET))
+    harness.portal.call(child.start)
+    try:
+        _refuse_crafted_metadata(harness, child)
+    finally:
+        assert harness.portal.call(child.aclose) is None  # it had not died
+
+
+def _refuse_crafted_metadata(harness: Harness, child: RemoteEngine) -> None:
     real = harness.captured_hello(harness.good)
     md = bytearray(real.agent_metadata)
     at = md.find(b"UCX|c")
@@ -574,7 +583,7 @@ def test_crafted_nixl_metadata_is_refused_before_nixl_with_a_secret(
             reply = client.recv(REPLY_WAIT)
         finally:
             client.close()
-        assert child.proc.poll() is None, f"the listener died (exit status {child.proc.returncode})"
+        assert child.running, f"the listener died (exit status {child.returncode})"
         assert as_reject(reply).code == "unauthorized"
 
     async def read_from_child() -> None:
@@ -583,11 +592,10 @@ def test_crafted_nixl_metadata_is_refused_before_nixl_with_a_secret(
         async with aionixl.Engine(unique("signed"), local, listen=None, config=config) as eng:
             peer = await eng.connect(child.address, timeout=10)
             await eng.transfer_blocks(peer, [0, 1, 2, 3], [8, 9, 10, 11], timeout=10)
-            for mine, theirs in zip(local, child.expected(), strict=True):
-                assert np.array_equal(mine[:4], theirs[8:12])
+            assert_blocks_equal(local, [0, 1, 2, 3], child.seed, [8, 9, 10, 11], **child.geometry)
         # Without the secret, a real engine is refused too, as a final refusal.
         with pytest.raises(aionixl.HandshakeError, match="unauthorized"):
             await harness.good.connect(child.address, timeout=10)
 
     harness.portal.call(read_from_child)
-    assert child.proc.poll() is None
+    assert child.running

@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from . import netns
+from aionixl.testing import Host, TwoHosts
+
 from .conftest import HERE, unique
 
 DEADLINE = 2.0  # the transfer timeout the decode side uses while the link is cut
@@ -34,7 +35,7 @@ CLOSE_LIMIT = 2.0  # seconds an engine close may take, even with the link down
 class Child:
     """A netns_peer.py process inside one namespace."""
 
-    def __init__(self, host: netns.Host, role: str, name: str, *, backend: str, seed: int = 7,
+    def __init__(self, host: Host, role: str, name: str, *, backend: str, seed: int = 7,
                  listen: str | None = None) -> None:
         self.role = role
         argv = [sys.executable, str(HERE / "netns_peer.py"), "--role", role, "--name", name,
@@ -102,25 +103,11 @@ class Child:
                 self.proc.wait()
 
 
-_why_not: list[str | None] = []  # netns.unavailable(), asked once per session
-
-
 @pytest.fixture
-def hosts() -> Iterator[tuple[netns.Host, netns.Host]]:
+def hosts() -> Iterator[TwoHosts]:
     """Two namespaces joined by a veth pair; skips where that cannot be made."""
-    if not _why_not:
-        _why_not.append(netns.unavailable())
-    if _why_not[0] is not None:
-        pytest.skip(f"no network namespaces here: {_why_not[0]}")
-    pair = netns.veth_pair()
-    try:
-        made = pair.__enter__()
-    except netns.NetnsError as exc:
-        pytest.skip(f"cannot make a veth pair between namespaces here: {exc}")
-    try:
+    with TwoHosts() as made:
         yield made
-    finally:
-        pair.__exit__(None, None, None)
 
 
 @pytest.fixture
@@ -131,9 +118,8 @@ def children() -> Iterator[list[Child]]:
         child.stop()
 
 
-def start_pair(hosts: tuple[netns.Host, netns.Host], children: list[Child], backend: str,
-               ) -> tuple[Child, Child, str]:
-    prefill_host, decode_host = hosts
+def start_pair(hosts: TwoHosts, children: list[Child], backend: str) -> tuple[Child, Child, str]:
+    prefill_host, decode_host = hosts.a, hosts.b
     prefill = Child(prefill_host, "prefill", unique("prefill"), backend=backend,
                     listen=f"tcp://{prefill_host.addr}:0")
     decode = Child(decode_host, "decode", unique("decode"), backend=backend)
@@ -161,24 +147,24 @@ def assert_closed_fast(child: Child, **kw: Any) -> dict[str, Any]:
     return closed
 
 
-def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: tuple[netns.Host, netns.Host],
+def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: TwoHosts,
                                                              children: list[Child]) -> None:
     """(a) transfers over the veth move the right bytes; (b) cutting the link while reads
     stream gives TransferTimeoutError at the deadline; (c) with the link back, a
     disconnect + connect works and moves the right bytes again."""
-    prefill_host, _ = hosts
+    prefill_host = hosts.a
     prefill, decode, address = start_pair(hosts, children, "asyncio")
     for _ in range(3):
         assert_read_ok(decode)
     decode.send(op="stream", n=4, timeout=DEADLINE, ready_after=3)
     assert decode.next(30) == {"event": "streaming"}
-    prefill_host.link(up=False)  # the prefill host's NIC goes away
+    hosts.cut(prefill_host)  # the prefill host's NIC goes away
     stopped = decode.reply(wait=DEADLINE + 20)
     assert not stopped["ok"] and stopped["error"] == "TransferTimeoutError", stopped
     assert DEADLINE <= stopped["seconds"] < DEADLINE + MARGIN, stopped
     state = decode.call(op="state")
     assert state["resources"]["transfer_handles"] == 0 and state["resources"]["in_flight"] == 0, state
-    prefill_host.link(up=True)
+    hosts.restore()
     assert decode.call(op="disconnect")["ok"]
     again = decode.call(op="connect", address=address, timeout=20)
     assert again["ok"], again
@@ -188,14 +174,13 @@ def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: tuple[netns.H
     assert_closed_fast(prefill)
 
 
-def test_close_with_reads_in_flight_over_a_dead_link(hosts: tuple[netns.Host, netns.Host],
+def test_close_with_reads_in_flight_over_a_dead_link(hosts: TwoHosts,
                                                      children: list[Child]) -> None:
     """With the link down: a read times out at its deadline, then both engines close fast
     (reads still waiting get EngineClosedError) and hold nothing afterwards."""
-    _, decode_host = hosts
     prefill, decode, _ = start_pair(hosts, children, "trio")
     assert_read_ok(decode)
-    decode_host.link(up=False)  # this time the decode host's own NIC
+    hosts.cut(hosts.b)  # this time the decode host's own NIC
     start = time.monotonic()
     timed_out = decode.call(op="read", n=4, timeout=DEADLINE)
     assert not timed_out["ok"] and timed_out["error"] == "TransferTimeoutError", timed_out
@@ -207,12 +192,12 @@ def test_close_with_reads_in_flight_over_a_dead_link(hosts: tuple[netns.Host, ne
     assert_closed_fast(prefill)  # its inbound peer is unreachable too
 
 
-def test_prefill_restart_at_the_same_address(hosts: tuple[netns.Host, netns.Host],
+def test_prefill_restart_at_the_same_address(hosts: TwoHosts,
                                              children: list[Child]) -> None:
     """The prefill process dies and a new one (same name, same address, other blocks) takes
     its place: the decode side's reads fail rather than hang past the deadline, and a plain
     ``connect()`` to the address then reaches the new incarnation and reads its bytes."""
-    prefill_host, _ = hosts
+    prefill_host = hosts.a
     prefill, decode, address = start_pair(hosts, children, "asyncio")
     assert_read_ok(decode)
     name = prefill.ready["name"]

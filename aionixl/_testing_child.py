@@ -1,0 +1,123 @@
+"""The child process behind :class:`aionixl.testing.RemoteEngine` (private).
+
+    python -c BOOTSTRAP SPEC      (BOOTSTRAP: see :data:`BOOTSTRAP`)
+
+``SPEC`` is the hex of a msgpack map (name, seed, geometry, listen, backend, and the
+``EngineConfig`` msgpack-encoded). The child serves an engine over
+``make_caches(seed, ...)`` and answers control requests from its parent.
+
+The control channel is this process's stdin (requests) and a private duplicate of the
+original stdout (replies). File descriptor 1 itself is pointed at stderr before NIXL is
+loaded, so whatever NIXL, UCX or Python print cannot corrupt a reply; every control line
+also starts with :data:`CONTROL_PREFIX` and the parent ignores anything else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import anyio
+import msgspec
+
+import aionixl
+
+CONTROL_PREFIX = b"\x1eaionixl-ctl "
+LISTEN_FAILED = 3  # exit status when the listen endpoint could not be bound
+
+
+#: Run with ``python -c``: keeps the original stdout for control replies and points fd 1
+#: at stderr before anything imports aionixl (and with it NIXL).
+BOOTSTRAP = ("import os, sys; control = os.dup(1); os.dup2(2, 1); "
+             "from aionixl._testing_child import main; main(control, sys.argv[1])")
+
+
+class Spec(msgspec.Struct, frozen=True):
+    name: str
+    seed: int
+    num_blocks: int
+    block_shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    listen: str
+    backend: str
+    config: bytes | None
+
+
+class Request(msgspec.Struct, frozen=True):
+    id: int
+    op: str
+    message: bytes = b""
+    timeout: float = 0.0
+    address: str = ""
+
+
+def _say(fd: int, **fields: object) -> None:
+    line = CONTROL_PREFIX + msgspec.json.encode(fields) + b"\n"
+    while line:
+        line = line[os.write(fd, line):]
+
+
+async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, object]:
+    if request.op == "live_resources":
+        return {"ok": True, "value": engine.live_resources()}
+    if request.op == "stats":
+        return {"ok": True, "value": engine.stats()}
+    if request.op == "wait_notification":
+        try:
+            note = await engine.wait_notification(request.message, timeout=request.timeout)
+        except TimeoutError:
+            return {"ok": False, "error": "TimeoutError",
+                    "message": f"no notification {request.message!r} within {request.timeout} s"}
+        return {"ok": True, "value": {"peer": note.peer, "message": note.message}}
+    if request.op == "connect":
+        peer = await engine.connect(request.address, timeout=request.timeout)
+        return {"ok": True, "value": peer.name}
+    return {"ok": False, "error": "ValueError", "message": f"unknown control op {request.op!r}"}
+
+
+async def _serve(spec: Spec, control: int) -> None:
+    config = (msgspec.msgpack.decode(spec.config, type=aionixl.EngineConfig)
+              if spec.config is not None else None)
+    from aionixl.testing import make_caches  # this module is imported by aionixl.testing
+
+    caches = make_caches(spec.seed, spec.num_blocks, spec.block_shape, spec.dtypes)
+    engine = aionixl.Engine(spec.name, caches, listen=spec.listen, config=config)
+    try:
+        await engine.__aenter__()
+    except aionixl.ListenError as exc:
+        _say(control, event="error", error="ListenError", message=str(exc))
+        raise SystemExit(LISTEN_FAILED) from None
+    try:
+        _say(control, event="ready", name=engine.name, address=engine.address, pid=os.getpid())
+        async with anyio.create_task_group() as tg:
+
+            async def handle(request: Request) -> None:
+                try:
+                    reply = await _answer(engine, request)
+                except Exception as exc:  # reported to the parent, which raises it there
+                    reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+                _say(control, id=request.id, **reply)
+
+            buffer = b""
+            stop = False
+            while not stop:
+                await anyio.wait_readable(0)
+                chunk = os.read(0, 65536)
+                if not chunk:
+                    break  # the parent went away or closed our stdin: stop
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    request = msgspec.json.decode(line, type=Request)
+                    if request.op == "stop":
+                        stop = True
+                        break
+                    tg.start_soon(handle, request)
+            tg.cancel_scope.cancel()
+    finally:
+        await engine.__aexit__(None, None, None)
+    _say(control, event="stopped", resources=engine.live_resources())
+
+
+def main(control: int, spec_hex: str) -> None:
+    spec = msgspec.msgpack.decode(bytes.fromhex(spec_hex), type=Spec)
+    anyio.run(_serve, spec, control, backend=spec.backend)

@@ -1,0 +1,308 @@
+"""aionixl.testing itself: deterministic caches, pairs, remote engines in child processes
+(read, kill, restart, pause, notifications, deaths) and its pytest fixtures under anyio's
+plugin and under pytest-asyncio. Every test checks that it leaves no child process behind."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+import aionixl
+from aionixl._pytest_plugin import RemoteEngineFactory
+from aionixl.testing import (
+    Pair,
+    RemoteEngine,
+    RemoteEngineError,
+    assert_blocks_equal,
+    assert_no_resources,
+    block_bytes,
+    engine_pair,
+    make_caches,
+    unique_name,
+)
+
+from .conftest import HERE
+
+GEOMETRY = {"num_blocks": 16, "block_shape": (16, 8, 64), "dtypes": ("float16", "bfloat16")}
+
+
+def children() -> set[int]:
+    pids: set[int] = set()
+    for path in glob.glob("/proc/self/task/*/children"):
+        with open(path) as f:
+            pids.update(int(p) for p in f.read().split())
+    return pids
+
+
+def gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+@pytest.fixture(autouse=True)
+def no_child_left_behind() -> Iterator[None]:
+    before = children()
+    yield
+    assert children() - before == set(), "a child process outlived its test"
+
+
+# ---- caches and assertions (no engine)
+
+
+def test_make_caches_is_a_cheap_deterministic_function_of_seed_region_block() -> None:
+    caches = make_caches(7, **GEOMETRY)
+    assert [c.dtype for c in caches] == [torch.float16, torch.bfloat16]
+    assert all(c.shape == (16, 16, 8, 64) and c.device.type == "cpu" for c in caches)
+    again = make_caches(7, **GEOMETRY)
+    for mine, other in zip(caches, again, strict=True):
+        assert torch.equal(mine.view(torch.int16), other.view(torch.int16))
+    # Any block can be recomputed on its own, bit for bit.
+    raw = caches[1][5].view(torch.int16).numpy().view(np.uint8).reshape(-1)
+    assert np.array_equal(raw, block_bytes(7, 1, 5, raw.size))
+    # Different seeds, regions and blocks differ.
+    other_seed = make_caches(8, **GEOMETRY)
+    assert not torch.equal(caches[0].view(torch.int16), other_seed[0].view(torch.int16))
+    assert not np.array_equal(block_bytes(7, 0, 5, 64), block_bytes(7, 1, 5, 64))
+    assert not np.array_equal(block_bytes(7, 0, 5, 64), block_bytes(7, 0, 6, 64))
+    # The default geometry is the documented one; other dtypes work too.
+    assert [tuple(c.shape) for c in make_caches(0)] == [(64, 16, 8, 64)] * 2
+    assert make_caches(1, 4, (32,), ("uint8", "float32"))[1].shape == (4, 32)
+    for bad in ({"seed": -1}, {"seed": 0, "num_blocks": 0}, {"seed": 0, "block_shape": ()},
+                {"seed": 0, "dtypes": ("nonsense",)}, {"seed": 0, "dtypes": ("bool",)}):
+        with pytest.raises(ValueError):
+            make_caches(**bad)  # type: ignore[arg-type]
+
+
+def test_assert_blocks_equal_names_the_first_region_and_block_that_differ() -> None:
+    remote = make_caches(3, **GEOMETRY)
+    local = [torch.zeros_like(r) for r in remote]
+    for theirs, mine in zip(remote, local, strict=True):
+        mine[[0, 1, 2]] = theirs[[9, 4, 4]]
+    assert_blocks_equal(local, [0, 1, 2], 3, [9, 4, 4], **GEOMETRY)
+    # numpy regions of another dtype with the same bytes per block are compared by bytes.
+    as_bytes = [r.view(-1).view(torch.uint8).view(16, -1).numpy() for r in local]
+    assert_blocks_equal(as_bytes, [0, 1, 2], 3, [9, 4, 4], **GEOMETRY)
+    with pytest.raises(AssertionError, match=r"region 0 \(float16\): local block 0 differs from remote "
+                                             r"block 8 of seed 3"):
+        assert_blocks_equal(local, [0, 1], 3, [8, 4], **GEOMETRY)
+    with pytest.raises(AssertionError, match="of seed 4"):
+        assert_blocks_equal(local, [0], 4, [9], **GEOMETRY)
+    local[1][2].view(torch.int16)[3, 2, 1] += 1  # one element of one block of region 1
+    with pytest.raises(AssertionError, match=r"region 1 \(bfloat16\): local block 2 differs from remote "
+                                             r"block 4 .* 1 of 16384 bytes differ"):
+        assert_blocks_equal(local, [0, 1, 2], 3, [9, 4, 4], **GEOMETRY)
+    with pytest.raises(AssertionError, match="bytes"):  # another geometry
+        assert_blocks_equal(local, [0], 3, [9], num_blocks=16, block_shape=(8,), dtypes=GEOMETRY["dtypes"])
+    with pytest.raises(AssertionError, match="1 local regions"):
+        assert_blocks_equal(local[:1], [0], 3, [9], **GEOMETRY)
+    with pytest.raises(ValueError):
+        assert_blocks_equal(local, [0, 1], 3, [9], **GEOMETRY)
+
+
+def test_importing_aionixl_or_aionixl_testing_does_not_import_pytest() -> None:
+    code = ("import sys; import aionixl; assert 'pytest' not in sys.modules; "
+            "import aionixl.testing; assert 'pytest' not in sys.modules; print('clean')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "clean" in run.stdout, run.stderr[-2000:]
+
+
+# ---- engines
+
+
+@pytest.mark.anyio
+async def test_pair_reads_are_checked_block_by_block(aionixl_pair: Pair) -> None:
+    pair = aionixl_pair
+    assert pair.peer.name == pair.b.name and pair.b.address is not None
+    await pair.a.transfer_blocks(pair.peer, [0, 1, 2], [63, 10, 10])
+    assert_blocks_equal(pair.a_caches, [0, 1, 2], 1, [63, 10, 10])  # b holds seed + 1
+    assert_blocks_equal(pair.a_caches, [3], 0, [3])  # untouched: still a's own seed
+    with pytest.raises(AssertionError, match=r"region 0 .* local block 1 differs from remote block 11"):
+        assert_blocks_equal(pair.a_caches, [0, 1], 1, [63, 11])
+    await pair.a.transfer_blocks(pair.peer, [5], [6], op="write")
+    assert_blocks_equal(pair.b_caches, [6], 0, [5])
+
+
+@pytest.mark.anyio
+async def test_engine_pair_closes_both_engines() -> None:
+    async with engine_pair(seed=4, num_blocks=4, block_shape=(256,), dtypes=("uint8",)) as pair:
+        assert [tuple(c.shape) for c in pair.a_caches] == [(4, 256)]
+        await pair.a.transfer_blocks(pair.peer, [0], [3])
+        assert_blocks_equal(pair.a_caches, [0], 5, [3], num_blocks=4, block_shape=(256,), dtypes=("uint8",))
+        assert pair.b.live_resources()["remote_agents"] == 1
+    assert pair.a.closed and pair.b.closed
+    assert_no_resources(pair.a)
+    assert_no_resources(pair.b)
+
+
+@pytest.mark.anyio
+async def test_assert_no_resources_lists_what_is_still_held() -> None:
+    async with engine_pair(num_blocks=2, block_shape=(64,), dtypes=("uint8",)) as pair:
+        with pytest.raises(AssertionError, match=r"still holds NIXL resources: .*dlists=2.*registrations=1"):
+            assert_no_resources(pair.a)
+
+
+@pytest.mark.anyio
+async def test_remote_read_killed_then_restarted_with_new_bytes(aionixl_remote: RemoteEngineFactory) -> None:
+    remote = aionixl_remote(seed=11, **GEOMETRY)
+    caches = make_caches(99, **GEOMETRY)
+    reached_the_end = False
+    async with aionixl.Engine(unique_name("reader"), caches, listen=None) as local:
+        with pytest.raises(RemoteEngineError, match="died") as died:
+            async with remote:
+                first_pid, address = remote.pid, remote.address
+                peer = await local.connect(remote.address, timeout=30)
+                assert peer.name == remote.name
+                await local.transfer_blocks(peer, [0, 1], [15, 3])
+                assert_blocks_equal(caches, [0, 1], 11, [15, 3], **GEOMETRY)
+                await remote.kill()
+                assert gone(first_pid) and not remote.running
+                with pytest.raises(aionixl.PeerDisconnectedError):
+                    await local.transfer_blocks(peer, [2], [2], timeout=10)
+                with pytest.raises(RemoteEngineError, match="not running"):
+                    await remote.live_resources()
+                await remote.restart(seed=12)
+                assert remote.address == address and remote.pid != first_pid and remote.seed == 12
+                again = await local.connect(remote.address, timeout=30)
+                await local.transfer_blocks(again, [4, 5], [15, 3])
+                assert_blocks_equal(caches, [4, 5], 12, [15, 3], **GEOMETRY)  # the new bytes
+                with pytest.raises(AssertionError):
+                    assert_blocks_equal(caches, [4], 11, [15], **GEOMETRY)
+                assert (await remote.live_resources())["remote_agents"] == 1
+                # Dying on its own (not through kill()) with nobody asking: reported on exit.
+                os.kill(remote.pid, signal.SIGKILL)
+                with anyio.fail_after(10):
+                    while remote.running:
+                        await anyio.sleep(0.01)
+                reached_the_end = True
+    assert reached_the_end and died.value.returncode == -signal.SIGKILL
+    assert gone(first_pid) and gone(remote.pid)
+    assert_no_resources(local)
+
+
+@pytest.mark.anyio
+async def test_paused_remote_times_out_a_read_and_serves_it_after_resume(
+        aionixl_remote: RemoteEngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over UCX TCP every transfer needs the target to progress: a stopped one cannot."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    remote = await aionixl_remote(seed=21, env={"UCX_TLS": "tcp"}, **GEOMETRY)
+    caches = make_caches(98, **GEOMETRY)
+    async with aionixl.Engine(unique_name("reader"), caches, listen=None) as local:
+        peer = await local.connect(remote.address, timeout=30)
+        await local.transfer_blocks(peer, [0], [0], timeout=30)  # wire-up done while it runs
+        await remote.pause()
+        try:
+            with pytest.raises(aionixl.TransferTimeoutError):
+                await local.transfer_blocks(peer, [1, 2, 3, 4], [4, 5, 6, 7], timeout=0.3)
+            assert local.live_resources()["in_flight"] == 0
+        finally:
+            await remote.resume()
+        await local.transfer_blocks(peer, [1, 2, 3, 4], [4, 5, 6, 7], timeout=30)
+        assert_blocks_equal(caches, [0, 1, 2, 3, 4], 21, [0, 4, 5, 6, 7], **GEOMETRY)
+    pid = remote.pid
+    await remote.aclose()
+    assert gone(pid)
+
+
+@pytest.mark.anyio
+async def test_wait_notification_is_answered_by_the_child_with_the_config_it_was_given() -> None:
+    config = aionixl.EngineConfig(handshake_secret=b"s" * 16, peer_probe_interval=math.inf)
+    async with RemoteEngine(seed=5, config=config, **GEOMETRY) as remote, \
+            aionixl.Engine(unique_name("reader"), make_caches(6, **GEOMETRY), listen=None,
+                           config=config) as local, \
+            aionixl.Engine(unique_name("unsigned"), make_caches(6, **GEOMETRY), listen=None) as unsigned:
+        with pytest.raises(aionixl.HandshakeError):  # the child's engine has the secret
+            await unsigned.connect(remote.address, timeout=5)
+        peer = await local.connect(remote.address, timeout=30)
+        await local.transfer_blocks(peer, [0], [1], notify=b"req-1")
+        note = await remote.wait_notification(b"req-1", timeout=10)
+        assert note == aionixl.Notification(peer=local.name, message=b"req-1")
+        with pytest.raises(TimeoutError):
+            await remote.wait_notification(b"req-2", timeout=0.2)
+        resources = await remote.live_resources()
+        assert resources["remote_agents"] == 1 and resources["in_flight"] == 0
+        assert (await remote.stats())["handshakes_accepted"] == 1
+    assert gone(remote.pid)
+
+
+@pytest.mark.anyio
+async def test_a_child_that_dies_on_its_own_is_reported_with_status_and_stderr() -> None:
+    # faulthandler writes "Fatal Python error: Segmentation fault" to the child's stderr.
+    remote = RemoteEngine(seed=1, num_blocks=2, env={"PYTHONFAULTHANDLER": "1"})
+    async with remote:  # reported once below: leaving the block does not raise it again
+        os.kill(remote.pid, signal.SIGSEGV)
+        with pytest.raises(RemoteEngineError) as info:
+            await remote.live_resources()
+        assert info.value.returncode == -signal.SIGSEGV
+        assert "Segmentation fault" in info.value.stderr_tail
+        assert f"exit status {-signal.SIGSEGV}" in str(info.value)
+        with pytest.raises(RemoteEngineError):
+            await remote.pause()
+    assert gone(remote.pid)
+
+
+@pytest.mark.anyio
+async def test_a_child_that_cannot_start_is_reported() -> None:
+    with pytest.raises(RemoteEngineError, match="ListenError") as info:
+        async with RemoteEngine(seed=1, num_blocks=2, listen="bogus://nowhere"):
+            pass  # pragma: no cover
+    assert info.value.returncode == 3
+
+
+# ---- the fixtures under pytest-asyncio alone, in a fresh pytest
+
+
+PLUGIN_TESTS = {
+    "asyncio": """
+        import asyncio
+        import os
+        import pytest
+        from aionixl.testing import assert_blocks_equal
+
+        pytest_plugins = ["aionixl.testing"]
+        started = []
+
+        @pytest.mark.asyncio
+        async def test_fixtures(aionixl_pair, aionixl_remote):
+            pair = aionixl_pair
+            async with asyncio.timeout(30):
+                await pair.a.transfer_blocks(pair.peer, [0, 1], [63, 62])
+            assert_blocks_equal(pair.a_caches, [0, 1], 1, [63, 62])
+            async with aionixl_remote(seed=9, num_blocks=8) as remote:
+                started.append(remote.pid)
+                peer = await pair.a.connect(remote.address)
+                await pair.a.transfer_blocks(peer, [2], [5])
+                assert_blocks_equal(pair.a_caches, [2], 9, [5], num_blocks=8)
+            leftover = await aionixl_remote(seed=1, num_blocks=2)  # stopped at teardown
+            started.append(leftover.pid)
+
+        def test_teardown_stopped_them():
+            assert len(started) == 2 and not [p for p in started if os.path.exists(f"/proc/{p}")]
+    """,
+}
+
+
+def test_fixtures_work_under_pytest_asyncio_alone(tmp_path: Path) -> None:
+    """aionixl_remote and aionixl_pair in a fresh pytest with pytest-asyncio and without
+    anyio's plugin. (In this suite both plugins are loaded: the tests above use the fixtures
+    under anyio on asyncio and trio, test_asyncio_server.py under pytest-asyncio.)"""
+    plugin, disabled, passed = "asyncio", "anyio", 2
+    (tmp_path / "test_plugin.py").write_text(textwrap.dedent(PLUGIN_TESTS[plugin]))
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", f"no:{disabled}",
+         "-o", "asyncio_mode=strict", "-o", "asyncio_default_fixture_loop_scope=function",
+         "-W", "error::pytest.PytestAssertRewriteWarning", "--rootdir", str(tmp_path), str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert f"{passed} passed" in run.stdout, run.stdout[-2000:]
