@@ -1,4 +1,5 @@
-"""Start the example servers as child processes and wait until they serve, with a deadline.
+"""Start the example servers (prefill, decode, proxy) as child processes and wait until they
+serve, with a deadline.
 
 Used by ``examples.serve``, the test and the load script. Each child's stdout and stderr go
 to one log file; the child prints a JSON ``ready`` line there once it accepts requests.
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+MODULES = {"prefill": "examples.prefill_server", "decode": "examples.decode_server",
+           "proxy": "examples.proxy"}
 
 
 @dataclass
@@ -65,7 +68,7 @@ class ServerProcess:
 
 def start(role: str, args: list[str], log_path: Path, ready_timeout: float = 60.0,
           env: dict[str, str] | None = None) -> ServerProcess:
-    """Run ``python -m examples.<role>_server ARGS`` and wait for its ready line.
+    """Run the role's module (``python -m examples.prefill_server ARGS``...) and wait for its ready line.
 
     Raises RuntimeError, with the log's tail, if it exits or is not ready in time; the
     child is killed then.
@@ -76,7 +79,7 @@ def start(role: str, args: list[str], log_path: Path, ready_timeout: float = 60.
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         offset = log.seek(0, os.SEEK_END)  # a restarted server appends to its old log
-        proc = subprocess.Popen([sys.executable, "-m", f"examples.{role}_server", *args], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", MODULES[role], *args], cwd=ROOT,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=child_env)
     server = ServerProcess(role, proc, log_path)
