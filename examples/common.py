@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -22,9 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-import aionixl
+if TYPE_CHECKING:  # the proxy imports this module and needs neither torch nor NIXL
+    import aionixl
 
-from .model import ModelConfig
+    from .model import ModelConfig
 
 #: Blocks the prefill side keeps for a request whose decode side never confirms the read.
 DEFAULT_LEASE_S = 15.0
@@ -380,6 +381,8 @@ class Metrics:
 
 def engine_config(model: ModelConfig, idle_poll_s: float) -> aionixl.EngineConfig:
     """The model's shape goes into the compat keys: engines of different models refuse to pair."""
+    import aionixl
+
     return aionixl.EngineConfig(compat={"model": model.fingerprint(), "dtype": "float32"},
                                 idle_poll_interval=idle_poll_s)
 

@@ -40,11 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     dev = ["--device", args.device]
     started: list[launch.ServerProcess] = []
     try:
-        prefill = launch.start("prefill", ["--port", str(args.prefill_port), *dev], logs / "prefill.log")
-        started.append(prefill)
-        decode = launch.start("decode", ["--port", str(args.decode_port), "--prefill-url", prefill.url, *dev],
-                              logs / "decode.log")
-        started.append(decode)
+        # The decode server needs only the prefill server's URL, not a running prefill server:
+        # both start at once.
+        prefill_port = args.prefill_port or launch.free_port()
+        prefill_url = f"http://127.0.0.1:{prefill_port}"
+        prefill, decode = launch.start_all([
+            ("prefill", ["--port", str(prefill_port), *dev], logs / "prefill.log"),
+            ("decode", ["--port", str(args.decode_port), "--prefill-url", prefill_url, *dev],
+             logs / "decode.log")])
+        started += [prefill, decode]
         proxy = launch.start("proxy", ["--port", str(args.port), "--any-port-if-busy",
                                        "--prefill-url", prefill.url, "--decode-url", decode.url],
                              logs / "proxy.log")
