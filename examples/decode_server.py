@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8200, help="HTTP port; 0 picks a free one")
     parser.add_argument("--prefill-url", default="http://127.0.0.1:8100")
-    parser.add_argument("--blocks", type=int, default=512, help="KV cache blocks")
+    parser.add_argument("--blocks", type=int, default=2048, help="KV cache blocks (16 KiB each)")
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL_S,
                         help="EngineConfig.idle_poll_interval")
     parser.add_argument("--prefill-timeout", type=float, default=10.0, help="seconds for POST /prefill")

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="HTTP port; 0 picks a free one")
-    parser.add_argument("--blocks", type=int, default=256, help="KV cache blocks")
+    parser.add_argument("--blocks", type=int, default=1024, help="KV cache blocks (16 KiB each)")
     parser.add_argument("--lease", type=float, default=DEFAULT_LEASE_S,
                         help="seconds blocks stay leased without a read notification")
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL_S,
