@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=2048, help="KV cache blocks (16 KiB each)")
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL_S,
                         help="EngineConfig.idle_poll_interval")
-    parser.add_argument("--prefill-timeout", type=float, default=10.0, help="seconds for POST /prefill")
+    parser.add_argument("--prefill-timeout", type=float, default=10.0,
+                        help="seconds for the direct path's prefill call")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds for engine.connect")
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds for the block read")
     parser.add_argument("--notify", choices=["attached", "separate"], default="attached",
