@@ -1,14 +1,19 @@
-"""Load on the prefill/decode example servers, then a prefill crash (SIGKILL) under load.
+"""Load on the prefill/decode example through its OpenAI API, then a prefill crash (SIGKILL).
 
-Phase 1 sends ``--requests`` streaming requests, ``--concurrency`` at a time, and reports the
-client's time to first token (TTFT), its parts as the decode server measured them, and the
-share of it spent reading the KV blocks. Every answer is checked token for token against a
-single-process run of the model.
+The servers are the ones ``python -m examples.serve`` runs: prefill, decode and the P/D
+proxy. Requests are streamed ``POST /v1/completions`` (server-sent events, with
+``stream_options.include_usage`` and vLLM's ``return_token_ids``), sent to the proxy
+(``--via proxy``, the default) or straight to the decode server (``--via decode``).
+
+Phase 1 sends ``--requests`` requests, ``--concurrency`` at a time, and reports the client's
+time to first token (TTFT), its parts as the servers measured them (the ``x-aionixl-timing``
+header), and the share of it spent reading the KV blocks. Every answer is checked token for
+token against a single-process run of the model, and its usage counts.
 
 Phase 2 keeps the same concurrency going, SIGKILLs the prefill server, restarts it on the
 same port after ``--down`` seconds, and reports what the in-flight and later requests got
-(HTTP status and JSON error), the slowest failure (nothing may hang), whether the decode
-server survived, and how long until requests succeed again.
+(HTTP status and the OpenAI error's code), the slowest failure (nothing may hang), whether
+the decode server survived, and how long until requests succeed again.
 
 Usage: .venv/bin/python benchmarks/load_example.py [--requests 200] [--concurrency 8]
 """
@@ -20,12 +25,12 @@ import asyncio
 import json
 import math
 import random
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the examples package impo
     sys.path.insert(0, str(ROOT))
 
 from examples import launch  # noqa: E402
+from examples.common import TIMING_HEADER  # noqa: E402
 from examples.model import (  # noqa: E402
     ModelConfig,
     TinyDecoder,
@@ -58,6 +64,7 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     timing: dict[str, float] = field(default_factory=dict)
     correct: bool = False
+    done: bool = False  # the stream ended with data: [DONE]
 
     @property
     def ok(self) -> bool:
@@ -74,28 +81,40 @@ class Outcome:
 
 async def one_request(client: httpx.AsyncClient, index: int, prompt: list[int], max_new: int,
                       reference: list[int]) -> Outcome:
+    """One streamed completion, parsed as an OpenAI client would, checked against ``reference``."""
     out = Outcome(index, time.perf_counter())
+    body = {"model": "aionixl-tiny-bytes", "prompt": prompt, "max_tokens": max_new, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    usage: dict[str, int] = {}
     try:
-        async with client.stream("POST", "/generate", json={"tokens": prompt, "max_new_tokens": max_new,
-                                                            "stream": True}) as reply:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
             out.status = reply.status_code
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
                 try:
-                    out.error = str(json.loads(text)["error"])
+                    out.error = str(json.loads(text)["error"]["code"])
                 except (ValueError, KeyError, TypeError):
-                    out.error = f"non-JSON body {text[:60]!r}"
+                    out.error = f"non-OpenAI error body {text[:60]!r}"
                 return out
+            with suppress(ValueError):
+                out.timing = json.loads(reply.headers.get(TIMING_HEADER, "{}"))
             async for line in reply.aiter_lines():
-                if not line:
+                if not line.startswith("data: "):
                     continue
-                message = json.loads(line)
-                if "token" in message:
+                if line == "data: [DONE]":
+                    out.done = True
+                    break
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
                     out.first_token = out.first_token or time.perf_counter()
-                    out.tokens.append(message["token"])
-                elif message.get("done"):
-                    out.timing = message["timing"]
-                    out.correct = message["tokens"] == out.tokens == reference
+                    out.tokens += chunk["choices"][0]["token_ids"]
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+            out.correct = (out.done and out.tokens == reference
+                           and usage == {"prompt_tokens": len(prompt), "completion_tokens": max_new,
+                                         "total_tokens": len(prompt) + max_new})
+            if not out.done:
+                out.error = "no [DONE]"
     except httpx.HTTPError as exc:
         out.error = type(exc).__name__
     finally:
@@ -130,12 +149,6 @@ def row(label: str, values: list[float], unit: str = "ms") -> str:
             f"{max(values):8.2f}  {unit}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -148,22 +161,29 @@ class Bench:
         self.references = [generate_reference(model, p, args.max_new_tokens) for p in self.prompts]
         self.blocks = [model.blocks_for(len(p)) for p in self.prompts]
         self.logs = Path(tempfile.mkdtemp(prefix="aionixl-load-"))
-        self.prefill_port = free_port()
+        self.prefill_port = launch.free_port()
         self.prefill: launch.ServerProcess | None = None
         self.decode: launch.ServerProcess | None = None
+        self.proxy: launch.ServerProcess | None = None
+
+    def prefill_spec(self) -> tuple[str, list[str], Path]:
+        args = ["--port", str(self.prefill_port), "--device", self.device]
+        return "prefill", args, self.logs / "prefill.log"
 
     def start_prefill(self) -> launch.ServerProcess:
-        self.prefill = launch.start("prefill", ["--port", str(self.prefill_port), "--device", self.device],
-                                    self.logs / "prefill.log")
+        self.prefill = launch.start(*self.prefill_spec())
         return self.prefill
 
-    def start_decode(self) -> launch.ServerProcess:
+    def start_servers(self) -> None:
+        """Prefill and decode at once (decode needs only the prefill URL), then the proxy."""
         a = self.args
-        self.decode = launch.start("decode", [
-            "--port", "0", "--device", self.device, "--prefill-url", f"http://127.0.0.1:{self.prefill_port}",
+        prefill_url = f"http://127.0.0.1:{self.prefill_port}"
+        self.prefill, self.decode = launch.start_all([self.prefill_spec(), ("decode", [
+            "--port", "0", "--device", self.device, "--prefill-url", prefill_url,
             "--connect-timeout", str(a.connect_timeout), "--transfer-timeout", str(a.transfer_timeout),
-            "--notify", a.notify], self.logs / "decode.log")
-        return self.decode
+            "--notify", a.notify], self.logs / "decode.log")])
+        self.proxy = launch.start("proxy", ["--port", "0", "--prefill-url", prefill_url,
+                                            "--decode-url", self.decode.url], self.logs / "proxy.log")
 
     async def request(self, client: httpx.AsyncClient, n: int) -> Outcome:
         i = n % len(self.prompts)
@@ -172,8 +192,9 @@ class Bench:
     async def phase_load(self, client: httpx.AsyncClient) -> None:
         a = self.args
         first = await self.request(client, 0)  # the handshake happens here
+        ttft_first = (first.first_token - first.start) * 1e3 if first.first_token else 0.0
         print(f"first request: {first.kind}; connect (handshake) {first.timing.get('connect_ms', 0):.1f} ms "
-              f"of TTFT {first.timing.get('ttft_ms', 0):.1f} ms")
+              f"of client TTFT {ttft_first:.1f} ms")
         gate = asyncio.Semaphore(a.concurrency)
 
         async def limited(n: int) -> Outcome:
@@ -195,15 +216,22 @@ class Bench:
         print(f"  {'':<30} {'median':>8} {'p90':>8} {'max':>8}")
         ttft = [(r.first_token - r.start) * 1e3 for r in good if r.first_token is not None]
         print(row("client TTFT", ttft))
-        for key, label in [("ttft_ms", "  server TTFT"), ("prefill_ms", "    POST /prefill"),
-                           ("prefill_compute_ms", "      of it model prefill"),
-                           ("connect_ms", "    engine.connect"), ("transfer_ms", "    transfer_blocks")]:
-            print(row(label, [r.timing[key] for r in good]))
+        if a.via == "proxy":
+            stages = [("proxy_ttft_ms", "  proxy, to decode's headers"),
+                      ("proxy_prefill_ms", "    prefill call (max_tokens=1)"),
+                      ("prefill_compute_ms", "      of it model prefill"),
+                      ("ttft_ms", "    decode server, to 1st token"),
+                      ("connect_ms", "      engine.connect"), ("transfer_ms", "      transfer_blocks")]
+        else:
+            stages = [("ttft_ms", "  decode server, to 1st token"),
+                      ("prefill_ms", "    prefill call (max_tokens=1)"),
+                      ("prefill_compute_ms", "      of it model prefill"),
+                      ("connect_ms", "    engine.connect"), ("transfer_ms", "    transfer_blocks")]
+        for key, label in stages:
+            print(row(label, [r.timing[key] for r in good if key in r.timing]))
         print(row("transfer share of client TTFT",
                   [100 * r.timing["transfer_ms"] / ((r.first_token - r.start) * 1e3)
-                   for r in good if r.first_token is not None], "%"))
-        print(row("transfer share of server TTFT",
-                  [100 * r.timing["transfer_ms"] / r.timing["ttft_ms"] for r in good], "%"))
+                   for r in good if r.first_token is not None and "transfer_ms" in r.timing], "%"))
         print(row("client total", [(r.end - r.start) * 1e3 for r in good]))
 
     async def phase_kill(self, client: httpx.AsyncClient) -> None:
@@ -269,8 +297,9 @@ class Bench:
         wrong = [r for r in results if r.status == 200 and not r.correct]
         print(f"  answered 200 with wrong or broken tokens: {len(wrong)} of {len(results)} requests")
         alive = self.decode.alive()
-        health = (await client.get("/health")).status_code if alive else 0
-        stats = (await client.get("/stats")).json() if alive else {}
+        async with httpx.AsyncClient(base_url=self.decode.url, timeout=5) as direct:
+            health = (await direct.get("/health")).status_code if alive else 0
+            stats = (await direct.get("/stats")).json() if alive else {}
         engine = stats.get("engine") or {}
         print(f"  decode server: {'alive' if alive else 'DEAD'}, /health {health}, free blocks "
               f"{stats.get('free_blocks')}/{stats.get('num_blocks')}, outcomes {stats.get('outcomes')}")
@@ -284,17 +313,20 @@ class Bench:
 
     async def run(self) -> int:
         a = self.args
-        print(f"servers' logs: {self.logs}; device {self.device}; decode --notify {a.notify}")
+        print(f"servers' logs: {self.logs}; device {self.device}; requests via the {a.via}; "
+              f"decode --notify {a.notify}")
         try:
-            self.start_prefill()
-            self.start_decode()
-            assert self.decode is not None
-            async with httpx.AsyncClient(base_url=self.decode.url, timeout=a.client_timeout) as client:
+            self.start_servers()
+            target = self.proxy if a.via == "proxy" else self.decode
+            assert target is not None
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            async with httpx.AsyncClient(base_url=target.url, timeout=a.client_timeout,
+                                         limits=limits) as client:
                 await self.phase_load(client)
                 if not a.no_kill:
                     await self.phase_kill(client)
         finally:
-            for server in (self.decode, self.prefill):
+            for server in (self.proxy, self.decode, self.prefill):
                 if server is not None:
                     server.stop()
         return 0
@@ -308,6 +340,8 @@ def main() -> int:
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--via", choices=["proxy", "decode"], default="proxy",
+                   help="send requests to the P/D proxy (vLLM's flow) or straight to the decode server")
     p.add_argument("--notify", choices=["attached", "separate"], default="attached")
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--transfer-timeout", type=float, default=5.0)

@@ -1,22 +1,30 @@
-"""The decode server: asks the prefill server for a prompt's KV cache, reads it, generates.
+"""The decode server: reads a prompt's KV cache from the prefill server, then generates.
 
-``POST /generate {"prompt": "text"} | {"tokens": [...]}``, with optional ``max_new_tokens``
-(default 16) and ``stream`` (NDJSON lines, one per token, then a summary). Per request:
+``POST /v1/completions`` is OpenAI's completions API (greedy decoding only, byte-level
+tokens; see ``common.parse_completion``). Two ways in:
+
+- from the proxy (vLLM's P/D flow): the body carries the prefill server's
+  ``kv_transfer_params`` (``do_remote_prefill: true``, ``remote_block_ids``, ...), so the
+  prompt's KV cache is ready on the prefill side and only needs reading;
+- directly: without ``kv_transfer_params`` the decode server makes the prefill call itself
+  (``max_tokens: 1`` and ``do_remote_decode: true`` to the prefill server's
+  ``/v1/completions``), as the proxy would.
+
+Then, per request:
 
 1. allocate local blocks for prompt + generated tokens (503 ``decode_out_of_blocks``);
-2. ``POST /prefill`` to the prefill server: block ids, first token, its engine address;
-3. ``engine.connect(address)``: a handshake the first time, the same peer afterwards;
-4. ``engine.transfer_blocks(..., op="read", notify=b"kv-done:<id>")``: the notification
+2. ``engine.connect(address)``: a handshake the first time, the same peer afterwards;
+3. ``engine.transfer_blocks(..., op="read", notify=b"kv-done:<id>")``: the notification
    tells the prefill server it may free its blocks;
-5. greedy decoding from the local cache, one model step per token in a worker thread.
+4. greedy decoding from the local cache, one model step per token in a worker thread,
+   answered as one JSON object or as server-sent events ending in ``data: [DONE]``.
 
 Everything that depends on the prefill side happens before the first byte of the
-response, so its failures are clean HTTP errors: 503 when the prefill server cannot be
-reached, 502 when it fails midway (handshake, transfer, timeout), each with a JSON body
-``{"error": code, "detail": text}``. After a failed transfer the peer is disconnected, so
-the next request performs a fresh handshake (with a restarted prefill server, say), and
-blocks granted by an engine found disconnected fail at once instead of waiting for a
-handshake that cannot be answered.
+response, so its failures are clean HTTP errors in OpenAI's shape: 503 when the prefill
+server cannot be reached, 502 when it fails midway (handshake, transfer, timeout). After a
+failed transfer the peer is disconnected, so the next request performs a fresh handshake
+(with a restarted prefill server, say), and blocks granted by an engine found disconnected
+fail at once instead of waiting for a handshake that cannot be answered.
 
     python -m examples.decode_server --port 8200 --prefill-url http://127.0.0.1:8100
 """
@@ -28,9 +36,8 @@ import asyncio
 import json
 import os
 import time
-import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -40,32 +47,39 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 import aionixl
 
 from .common import (
     DEFAULT_IDLE_POLL_S,
+    REQUEST_ID_HEADER,
+    TIMING_HEADER,
     BlockPool,
+    ClosingStreamingResponse,
+    CompletionRequest,
     HTTPError,
+    Metrics,
     bind,
-    check_tokens,
+    completion_body,
+    completion_stream,
     engine_config,
+    error_code,
     internal_error,
+    models_body,
+    parse_completion,
     quiet_logs,
     read_json_object,
+    request_id_from,
     serve,
 )
 from .model import ModelConfig, TinyDecoder, pick_device, setup_torch
 
-MAX_NEW_TOKENS = 256
-
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """The prefill server's answer: where the prompt's KV blocks are and for how long."""
+    """The prefill side's ``kv_transfer_params``: where the prompt's KV blocks are, for how long."""
 
     blocks: list[int]
     first_token: int
@@ -73,7 +87,44 @@ class Grant:
     engine_name: str
     notify: bytes
     lease_deadline: float  # time.monotonic() after which the blocks may be reused
-    compute_ms: float
+
+    @classmethod
+    def from_kv_params(cls, kv: dict[str, Any], prompt_tokens: int, blocks_needed: int,
+                       received: float | None = None) -> Grant:
+        """Check the fields this side relies on; 400 (the caller's mistake) when they do not hold.
+
+        The lease ends at whichever comes first: ``remote_lease_s`` after ``received``
+        (when this process got the grant first-hand) or the wall-clock
+        ``remote_lease_expires_at`` (when a proxy passed it along).
+        """
+        def bad(why: str) -> HTTPError:
+            return HTTPError(400, "bad_kv_transfer_params", why, param="kv_transfer_params")
+
+        blocks = kv.get("remote_block_ids")
+        if not isinstance(blocks, list) or not all(type(b) is int and b >= 0 for b in blocks):
+            raise bad("remote_block_ids must be a list of block ids")
+        if kv.get("remote_num_tokens") != prompt_tokens or len(blocks) != blocks_needed:
+            raise bad(f"the blocks hold {kv.get('remote_num_tokens')} tokens in {len(blocks)} blocks; "
+                      f"this prompt has {prompt_tokens} tokens in {blocks_needed} blocks")
+        address = kv.get("remote_handshake_address")
+        if address is None and isinstance(kv.get("remote_host"), str) and type(kv.get("remote_port")) is int:
+            address = f"tcp://{kv['remote_host']}:{kv['remote_port']}"
+        name, notify, first = kv.get("remote_engine_id"), kv.get("remote_notify"), kv.get("first_token_id")
+        if not isinstance(address, str) or not isinstance(name, str) or not isinstance(notify, str):
+            raise bad("remote_handshake_address (or remote_host/remote_port), remote_engine_id and "
+                      "remote_notify are required")
+        if type(first) is not int:
+            raise bad("first_token_id must be an int (the prefill side's first token)")
+        now_mono, now_wall = time.monotonic(), time.time()
+        deadlines: list[float] = []
+        expires_at, lease_s = kv.get("remote_lease_expires_at"), kv.get("remote_lease_s")
+        if type(expires_at) in (int, float):
+            deadlines.append(now_mono + (expires_at - now_wall))
+        if received is not None and type(lease_s) in (int, float):
+            deadlines.append(received + lease_s)
+        if not deadlines:
+            raise bad("remote_lease_expires_at must be a number (unix time)")
+        return cls(list(blocks), first, address, name, notify.encode(), min(deadlines))
 
 
 @dataclass(slots=True)
@@ -93,29 +144,10 @@ class Timing:
         return (time.perf_counter() - t0) * 1e3
 
     def report(self) -> dict[str, float]:
-        return {k: round(getattr(self, k), 3) for k in self.__slots__ if k != "start"}
+        return {k: round(getattr(self, k), 3) for k in self.__slots__ if k != "start" and getattr(self, k)}
 
-
-class _GeneratorResponse(StreamingResponse):
-    """NDJSON stream that closes its generator and runs ``release`` however it ends.
-
-    Starlette may cancel a stream before it starts iterating (the client went away), and an
-    async generator that never started runs no ``finally``: the release must not live there.
-    """
-
-    def __init__(self, body: AsyncGenerator[bytes, None], release: Callable[[], None]) -> None:
-        super().__init__(body, media_type="application/x-ndjson")
-        self._body = body
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._body.aclose()
-            finally:
-                self._release()
+    def header(self) -> dict[str, str]:
+        return {TIMING_HEADER: json.dumps(self.report())}
 
 
 class DecodeServer:
@@ -138,10 +170,13 @@ class DecodeServer:
         self._dead_engines: dict[str, None] = {}
         self._engine: aionixl.Engine | None = None
         self._http: httpx.AsyncClient | None = None
+        self.metrics = Metrics()
         self.app = Starlette(routes=[
-            Route("/generate", self.generate, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics.endpoint, methods=["GET"]),
         ], lifespan=self.lifespan, exception_handlers={Exception: internal_error})
 
     @asynccontextmanager
@@ -151,23 +186,36 @@ class DecodeServer:
                                   listen=None, config=config) as engine, \
                 httpx.AsyncClient(base_url=self.prefill_url, timeout=self.prefill_timeout) as http:
             self._engine, self._http = engine, http
+            self.metrics.attach(engine)
             try:
                 yield
             finally:
+                self.metrics.detach()
                 self._engine = self._http = None
 
     # ---- the request path ---------------------------------------------------------------
 
-    async def generate(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
         timing = Timing(time.perf_counter())
+        created = int(time.time())
         local: list[int] | None = None
         try:
-            tokens, max_new, stream = await self._parse(request)
-            local = self.pool.allocate(self.model.blocks_for(len(tokens) + max_new - 1))
+            req = parse_completion(await read_json_object(request), self.model.config)
+            request_id = request_id_from(request)
+            kv = req.kv_transfer_params or {}
+            if kv.get("do_remote_decode") is True:
+                raise HTTPError(400, "bad_request", "do_remote_decode goes to the prefill server; the decode "
+                                "server takes the kv_transfer_params the prefill server returned",
+                                param="kv_transfer_params")
+            needed = self.model.blocks_for(len(req.tokens))
+            grant = None
+            if kv.get("do_remote_prefill") is True:
+                grant = Grant.from_kv_params(kv, len(req.tokens), needed)
+            local = self.pool.allocate(self.model.blocks_for(len(req.tokens) + req.max_tokens - 1))
             if local is None:
                 raise HTTPError(503, "decode_out_of_blocks", f"{self.pool.free_count} free blocks")
-            request_id = uuid.uuid4().hex
-            grant = await self._prefill(request_id, tokens, timing)
+            if grant is None:
+                grant = await self._prefill(request_id, req, needed, timing)
             peer = await self._connect(grant, timing)
             await self._read_blocks(peer, local, grant, timing)
         except BaseException as exc:
@@ -175,50 +223,44 @@ class DecodeServer:
                 self.pool.free(local)
             if not isinstance(exc, HTTPError):
                 raise
-            self.outcomes[exc.error] += 1
+            self.outcomes[exc.code] += 1
             return exc.response()
         # The KV cache is local now: the first token is out, nothing remote can fail any more.
         timing.ttft_ms = timing.since(timing.start)
-        steps = self._decode(tokens, grant.first_token, max_new, local, timing)
-        summary = {"request_id": request_id, "prefill_engine": grant.engine_name,
-                   "prompt_tokens": len(tokens), "blocks_read": len(grant.blocks)}
+        steps = self._decode(req.tokens, grant.first_token, req.max_tokens, local, timing)
         release = partial(self.pool.free, local)
-        if stream:
-            return _GeneratorResponse(self._ndjson(steps, summary, timing), release)
+        if req.stream:
+            return ClosingStreamingResponse(self._counted(completion_stream(req, request_id, created, steps)),
+                                            release, headers=timing.header())
         try:
             out = [t async for t in steps]
         finally:
             await steps.aclose()
             release()
         self.outcomes["ok"] += 1
-        return JSONResponse({"tokens": out, **summary, "timing": timing.report()})
+        return JSONResponse(completion_body(req, request_id, created, out), headers=timing.header())
 
-    async def _parse(self, request: Request) -> tuple[list[int], int, bool]:
-        body = await read_json_object(request)
-        cfg = self.model.config
-        max_new = body.get("max_new_tokens", 16)
-        if type(max_new) is not int or not 1 <= max_new <= MAX_NEW_TOKENS:
-            raise HTTPError(400, "bad_request", f"max_new_tokens must be an int in 1..{MAX_NEW_TOKENS}")
-        if "prompt" in body:
-            if not isinstance(body["prompt"], str) or not body["prompt"]:
-                raise HTTPError(400, "bad_request", "prompt must be a non-empty string")
-            raw: object = list(body["prompt"].encode())
-        else:
-            raw = body.get("tokens")
-        tokens = check_tokens(raw, cfg, cfg.max_positions - max_new + 1)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise HTTPError(400, "bad_request", "stream must be true or false")
-        return tokens, max_new, stream
+    async def _counted(self, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        """Counts a stream as ok once its last event is out."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+        self.outcomes["ok"] += 1
 
-    async def _prefill(self, request_id: str, tokens: list[int], timing: Timing) -> Grant:
+    async def _prefill(self, request_id: str, req: CompletionRequest, blocks_needed: int,
+                       timing: Timing) -> Grant:
+        """The proxy's first step, done here: the prefill server computes and leases the KV blocks."""
         http, engine = self._http, self._engine
         if http is None or engine is None:
             raise HTTPError(503, "shutting_down", "the decode server is stopping")
         t0 = time.perf_counter()
+        body = {"model": req.model, "prompt": req.tokens, "max_tokens": 1, "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                       "decode_engine_id": engine.name}}
         try:
-            reply = await http.post("/prefill", json={"request_id": request_id, "tokens": tokens,
-                                                      "decode_engine": engine.name})
+            reply = await http.post("/v1/completions", json=body, headers={REQUEST_ID_HEADER: request_id})
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise HTTPError(503, "prefill_unavailable",
                             f"cannot reach the prefill server at {self.prefill_url}: {exc!r}") from None
@@ -228,23 +270,22 @@ class DecodeServer:
         received = time.monotonic()
         timing.prefill_ms = timing.since(t0)
         try:
-            body = reply.json()
+            answer = reply.json()
         except ValueError:
-            body = None
+            answer = None
         if reply.status_code != 200:
-            error = body.get("error", "prefill_error") if isinstance(body, dict) else "prefill_error"
-            detail = body.get("detail", reply.text[:200]) if isinstance(body, dict) else reply.text[:200]
+            code, message = error_code(answer)
             status = reply.status_code if reply.status_code in (400, 409, 503) else 502
-            raise HTTPError(status, error, f"prefill server: {detail}")
+            raise HTTPError(status, code or "prefill_error", f"prefill server: {message or reply.text[:200]}")
+        with suppress(ValueError, TypeError, KeyError):
+            timing.prefill_compute_ms = float(json.loads(reply.headers[TIMING_HEADER])["prefill_compute_ms"])
+        kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(kv, dict):
+            raise HTTPError(502, "prefill_bad_reply", "the prefill reply has no kv_transfer_params")
         try:
-            assert isinstance(body, dict)
-            grant = Grant(list(body["blocks"]), int(body["first_token"]), str(body["engine_address"]),
-                          str(body["engine_name"]), str(body["notify"]).encode(),
-                          received + float(body["lease_s"]), float(body["compute_ms"]))
-        except (AssertionError, KeyError, TypeError, ValueError) as exc:
-            raise HTTPError(502, "prefill_bad_reply", f"unusable prefill reply: {exc!r}") from None
-        timing.prefill_compute_ms = grant.compute_ms
-        return grant
+            return Grant.from_kv_params(kv, len(req.tokens), blocks_needed, received)
+        except HTTPError as exc:
+            raise HTTPError(502, "prefill_bad_reply", f"unusable prefill reply: {exc.message}") from None
 
     def _time_left(self, grant: Grant, limit: float) -> float:
         """``limit``, cut short so that we never read blocks the prefill side may have reused."""
@@ -268,7 +309,7 @@ class DecodeServer:
             limit = self._time_left(grant, self.connect_timeout)
             peer = await engine.connect(grant.engine_address, timeout=limit)
         except aionixl.IncompatiblePeerError as exc:
-            raise HTTPError(502, "incompatible_peer", str(exc), field=exc.field) from None
+            raise HTTPError(502, "incompatible_peer", f"{exc} (field {exc.field})") from None
         except aionixl.HandshakeError as exc:
             raise HTTPError(502, "handshake_failed", str(exc)) from None
         except aionixl.EngineClosedError as exc:
@@ -332,18 +373,6 @@ class DecodeServer:
             yield token
         timing.total_ms = timing.since(timing.start)
 
-    async def _ndjson(self, steps: AsyncGenerator[int, None], summary: dict[str, Any],
-                      timing: Timing) -> AsyncGenerator[bytes, None]:
-        out: list[int] = []
-        try:
-            async for token in steps:
-                out.append(token)
-                yield json.dumps({"token": token}).encode() + b"\n"
-        finally:
-            await steps.aclose()
-        self.outcomes["ok"] += 1
-        yield json.dumps({"done": True, "tokens": out, **summary, "timing": timing.report()}).encode() + b"\n"
-
     # ---- introspection ------------------------------------------------------------------
 
     async def stats(self, request: Request) -> Response:
@@ -357,6 +386,9 @@ class DecodeServer:
                 "peers": [{"name": p.name, "address": p.address} for p in engine.peers.values()],
             },
         })
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(models_body())
 
     async def health(self, request: Request) -> Response:
         ok = self._engine is not None
@@ -373,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8200, help="HTTP port; 0 picks a free one")
     parser.add_argument("--prefill-url", default="http://127.0.0.1:8100")
-    parser.add_argument("--blocks", type=int, default=512, help="KV cache blocks")
+    parser.add_argument("--blocks", type=int, default=2048, help="KV cache blocks (16 KiB each)")
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL_S,
                         help="EngineConfig.idle_poll_interval")
-    parser.add_argument("--prefill-timeout", type=float, default=10.0, help="seconds for POST /prefill")
+    parser.add_argument("--prefill-timeout", type=float, default=10.0,
+                        help="seconds for the direct path's prefill call")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds for engine.connect")
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="seconds for the block read")
     parser.add_argument("--notify", choices=["attached", "separate"], default="attached",

@@ -1,11 +1,16 @@
 """The prefill server: computes a prompt's KV cache and lends its blocks to a decode server.
 
-``POST /prefill {"request_id", "tokens", "decode_engine", "lease_s"?}`` allocates blocks, runs the
-prompt through the model into them, and answers with the block ids, the first generated
-token and this process's engine address. The blocks stay leased until the decode server's
-read delivers the notification ``kv-done:<request_id>`` (``engine.wait_notification``) or
-until the lease times out, whichever comes first; then they are free again.
-``GET /stats`` reports free blocks and lease outcomes; ``GET /health`` says it is up.
+``POST /v1/completions`` is OpenAI's completions API with what a vLLM prefill instance does
+in disaggregated serving: the request carries ``max_tokens: 1`` and
+``kv_transfer_params: {"do_remote_decode": true, ...}`` (as vLLM's P/D proxy sends it), the
+server runs the prompt into freshly allocated cache blocks, answers with the first token,
+and hands back ``kv_transfer_params`` in vLLM's shape (``remote_engine_id``,
+``remote_block_ids``, ``remote_host``, ``remote_port``, ...) plus what aionixl needs (the
+handshake address, the notification that releases the blocks, the lease). The blocks stay
+leased until the decode side's read delivers that notification (``engine.wait_notification``)
+or until the lease runs out. Without ``do_remote_decode`` the blocks are freed at once.
+``X-Request-Id`` (the proxy sends one) names the lease. ``GET /v1/models``, ``/health``,
+``/stats`` and ``/metrics`` (with the ``aionixl[prometheus]`` extra) describe the server.
 
     python -m examples.prefill_server --port 8100
 """
@@ -14,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
@@ -32,14 +39,21 @@ import aionixl
 from .common import (
     DEFAULT_IDLE_POLL_S,
     DEFAULT_LEASE_S,
+    TIMING_HEADER,
     BlockPool,
+    ClosingStreamingResponse,
     HTTPError,
+    Metrics,
     bind,
-    check_tokens,
+    completion_body,
+    completion_stream,
     engine_config,
     internal_error,
+    models_body,
+    parse_completion,
     quiet_logs,
     read_json_object,
+    request_id_from,
     serve,
 )
 from .model import ModelConfig, TinyDecoder, pick_device, setup_torch
@@ -65,10 +79,13 @@ class PrefillServer:
         self.counts = {"prefilled": 0, "freed_on_notification": 0, "freed_on_lease_timeout": 0}
         self._engine: aionixl.Engine | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
+        self.metrics = Metrics()
         self.app = Starlette(routes=[
-            Route("/prefill", self.prefill, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics.endpoint, methods=["GET"]),
         ], lifespan=self.lifespan, exception_handlers={Exception: internal_error})
 
     @property
@@ -85,29 +102,41 @@ class PrefillServer:
                                   listen=f"tcp://{self.engine_host}:0", config=config) as engine, \
                 anyio.create_task_group() as tasks:
             self._engine, self._tasks = engine, tasks
+            self.metrics.attach(engine)
             try:
                 yield
             finally:
                 tasks.cancel_scope.cancel()
+                self.metrics.detach()
                 self._engine = self._tasks = None
 
-    async def prefill(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
+        created = int(time.time())
         try:
-            body = await read_json_object(request)
-            request_id = body.get("request_id")
-            if not isinstance(request_id, str) or not 0 < len(request_id) <= 128:
-                raise HTTPError(400, "bad_request", "request_id must be a string of 1..128 chars")
-            tokens = check_tokens(body.get("tokens"), self.model.config, self.model.config.max_positions)
-            decode_engine = body.get("decode_engine")
+            req = parse_completion(await read_json_object(request), self.model.config)
+            if req.max_tokens != 1:
+                raise HTTPError(400, "bad_request", "a prefill server produces only the first token: "
+                                "max_tokens must be 1 (the proxy or the decode server generates the rest)",
+                                param="max_tokens")
+            kv = req.kv_transfer_params or {}
+            remote_decode = kv.get("do_remote_decode") is True
+            if remote_decode and req.stream:
+                raise HTTPError(400, "bad_request", "kv_transfer_params come back only with stream=false",
+                                param="stream")
+            decode_engine = kv.get("decode_engine_id")
             if decode_engine is not None and not isinstance(decode_engine, str):
-                raise HTTPError(400, "bad_request", "decode_engine must be a string")
-            lease_s = body.get("lease_s", self.lease_s)
+                raise HTTPError(400, "bad_request", "decode_engine_id must be a string",
+                                param="kv_transfer_params")
+            lease_s = kv.get("lease_s", self.lease_s)
             if type(lease_s) not in (int, float) or not 0 < lease_s <= self.lease_s:
-                raise HTTPError(400, "bad_request", f"lease_s must be a number in (0, {self.lease_s}]")
+                raise HTTPError(400, "bad_request", f"lease_s must be a number in (0, {self.lease_s}]",
+                                param="kv_transfer_params")
+            request_id = request_id_from(request)
             if request_id in self.leases:
                 raise HTTPError(409, "duplicate_request", f"request {request_id!r} already holds blocks")
             engine, tasks = self.engine, self._tasks
             assert tasks is not None
+            tokens = req.tokens
             blocks = self.pool.allocate(self.model.blocks_for(len(tokens)))
             if blocks is None:
                 raise HTTPError(503, "prefill_out_of_blocks",
@@ -120,24 +149,25 @@ class PrefillServer:
             # the model still writes into them.
             first = await anyio.to_thread.run_sync(self.model.prefill, tokens, self.cache, blocks)
             compute_s = time.perf_counter() - started
-            self.leases[request_id] = blocks
+            if remote_decode:
+                self.leases[request_id] = blocks
         except BaseException:
             self.pool.free(blocks)
             raise
+        self.counts["prefilled"] += 1
+        headers = {TIMING_HEADER: json.dumps({"prefill_compute_ms": round(compute_s * 1e3, 3)})}
+        if not remote_decode:
+            self.pool.free(blocks)
+            if req.stream:
+                return ClosingStreamingResponse(completion_stream(req, request_id, created, _one(first)),
+                                                lambda: None, headers=headers)
+            return JSONResponse(completion_body(req, request_id, created, [first],
+                                                kv_transfer_params=None), headers=headers)
         # Waiting starts now; a notification that beats it to the mailbox is kept there.
         tasks.start_soon(self._hold_lease, request_id, blocks, decode_engine, float(lease_s))
-        self.counts["prefilled"] += 1
-        return JSONResponse({
-            "request_id": request_id,
-            "blocks": blocks,
-            "num_tokens": len(tokens),
-            "first_token": first,
-            "engine_address": engine.address,
-            "engine_name": engine.name,
-            "notify": done_message(request_id).decode(),
-            "lease_s": lease_s,
-            "compute_ms": compute_s * 1e3,
-        })
+        params = kv_transfer_params(engine, request_id, blocks, tokens, first, float(lease_s))
+        return JSONResponse(completion_body(req, request_id, created, [first], kv_transfer_params=params),
+                            headers=headers)
 
     async def _hold_lease(self, request_id: str, blocks: list[int], decode_engine: str | None,
                           lease_s: float) -> None:
@@ -167,6 +197,9 @@ class PrefillServer:
             },
         })
 
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(models_body())
+
     async def health(self, request: Request) -> Response:
         engine = self._engine
         return JSONResponse({"ok": engine is not None, "role": "prefill"},
@@ -177,11 +210,46 @@ class PrefillServer:
         return {"role": "prefill", "engine_name": engine.name, "engine_address": engine.address}
 
 
+def kv_transfer_params(engine: aionixl.Engine, request_id: str, blocks: list[int], tokens: list[int],
+                       first_token: int, lease_s: float) -> dict[str, Any]:
+    """What the decode side needs to pull the blocks, in vLLM's NixlConnector shape plus aionixl's.
+
+    vLLM's fields: ``do_remote_prefill`` (the decode side reads the KV), ``remote_engine_id``,
+    ``remote_block_ids``, ``remote_request_id``, ``remote_host``/``remote_port`` (vLLM's
+    handshake side channel; here the aionixl engine's handshake endpoint), ``tp_size``.
+    aionixl's: the handshake address as one string, the notification that frees the blocks,
+    the lease (seconds and wall-clock expiry), the cached token count, and the first token:
+    vLLM's decode recomputes it from the last prompt token; here it travels, so the answer
+    is bit for bit what one process computes.
+    """
+    where = urlsplit(engine.address)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine.name,
+        "remote_block_ids": blocks,
+        "remote_request_id": request_id,
+        "remote_host": where.hostname,
+        "remote_port": where.port,
+        "tp_size": 1,
+        "remote_handshake_address": engine.address,
+        "remote_notify": done_message(request_id).decode(),
+        "remote_num_tokens": len(tokens),
+        "remote_lease_s": lease_s,
+        "remote_lease_expires_at": time.time() + lease_s,
+        "first_token_id": first_token,
+    }
+
+
+async def _one(token: int) -> AsyncGenerator[int, None]:
+    yield token
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100, help="HTTP port; 0 picks a free one")
-    parser.add_argument("--blocks", type=int, default=256, help="KV cache blocks")
+    parser.add_argument("--blocks", type=int, default=1024, help="KV cache blocks (16 KiB each)")
     parser.add_argument("--lease", type=float, default=DEFAULT_LEASE_S,
                         help="seconds blocks stay leased without a read notification")
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL_S,
