@@ -79,7 +79,7 @@ class Peer:
     """
 
     __slots__ = ("name", "address", "regions", "num_blocks", "_dlist", "_offsets", "_offset_list",
-                 "_metadata", "_engine", "_connected", "_lost", "_one_block")
+                 "_metadata", "_engine", "_connected", "_lost", "_one_block", "_foreign")
 
     def __init__(self, engine: Engine, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes) -> None:
@@ -95,6 +95,8 @@ class Peer:
         self._connected = True
         self._lost: BaseException | None = None  # why it was evicted, if it was
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+        #: Not an aionixl engine (a vLLM prefill): it gets no probe and no goodbye.
+        self._foreign = False
 
     @property
     def connected(self) -> bool:
@@ -476,6 +478,8 @@ class Engine:
             return
         goodbye = _goodbye(self._own_metadata)
         for peer in self._peers.values():
+            if peer._foreign:
+                continue
             with suppress(AionixlError):
                 agent.send_notif(peer.name, goodbye)
         for _ in range(5):  # let the messages leave before the connections close
@@ -681,6 +685,33 @@ class Engine:
         except AionixlError:
             self._drop_peer(peer, None)
             raise
+        return peer
+
+    async def connect_vllm(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
+                           expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
+        """Connect to a vLLM NixlConnector prefill worker; see :func:`aionixl.vllm.connect`."""
+        from . import vllm
+
+        self._check_open()
+        return await vllm.connect(self, address, pp_rank=pp_rank, tp_rank=tp_rank,
+                                  expect_compat_hash=expect_compat_hash, timeout=timeout)
+
+    async def _admit_foreign(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
+                             address: str) -> Peer:
+        """Admit a peer that is not an aionixl engine (checked by the caller); see aionixl.vllm."""
+        self._check_open()
+        try:
+            peer = self._admit(name, metadata, regions, address)
+        except proto.ProtocolError as exc:
+            raise HandshakeError(f"unusable peer metadata from {address}: {exc}") from exc
+        peer._foreign = True
+        assert self._agent is not None
+        try:
+            self._agent.make_connection(peer.name)
+        except AionixlError:
+            self._drop_peer(peer, None)
+            raise
+        await anyio.lowlevel.checkpoint()
         return peer
 
     def _admit(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
@@ -1067,6 +1098,8 @@ class Engine:
         agent = self._agent
         assert agent is not None
         for peer in list(self._peers.values()):
+            if peer._foreign:
+                continue
             try:
                 agent.send_notif(peer.name, _PROBE)
             except PeerDisconnectedError as exc:
