@@ -25,9 +25,10 @@ import anyio.abc
 import anyio.lowlevel
 import zmq
 
+from . import _protocol as proto
 from ._config import EngineConfig
 from ._drainer import NotificationDrainer
-from ._errors import AionixlError, EngineClosedError, PeerDisconnectedError
+from ._errors import AionixlError, EngineClosedError, HandshakeError, PeerDisconnectedError
 from ._handshake import Handshakes
 from ._nixl import Agent
 from ._notifications import Mailbox, Notification
@@ -358,6 +359,33 @@ class Engine:
         geometry or compat keys differ.
         """
         return await self._handshakes.connect(address, timeout)
+
+    async def connect_vllm(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
+                           expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
+        """Connect to a vLLM NixlConnector prefill worker; see :func:`aionixl.vllm.connect`."""
+        from . import vllm
+
+        self._check_open()
+        return await vllm.connect(self, address, pp_rank=pp_rank, tp_rank=tp_rank,
+                                  expect_compat_hash=expect_compat_hash, timeout=timeout)
+
+    async def _admit_foreign(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
+                             address: str) -> Peer:
+        """Admit a peer that is not an aionixl engine (checked by the caller); see aionixl.vllm."""
+        self._check_open()
+        try:
+            peer = self._peers.admit(name, metadata, regions, address)
+        except proto.ProtocolError as exc:
+            raise HandshakeError(f"unusable peer metadata from {address}: {exc}") from exc
+        peer._foreign = True
+        assert self._agent is not None
+        try:
+            self._agent.make_connection(peer.name)
+        except AionixlError:
+            self._peers.drop(peer, None)
+            raise
+        await anyio.lowlevel.checkpoint()
+        return peer
 
     async def disconnect(self, peer: Peer) -> None:
         """Forget ``peer`` and release its NIXL state.

@@ -89,7 +89,7 @@ class Peer:
     """
 
     __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
-                 "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block")
+                 "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block", "_foreign")
 
     def __init__(self, engine: Any, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes,
@@ -110,6 +110,9 @@ class Peer:
         self._connected = True
         self._lost: BaseException | None = None  # why it was evicted, if it was
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+        #: Not an aionixl engine (a vLLM prefill): it gets no probe and no goodbye, which
+        #: it would take for a request's notification.
+        self._foreign = False
 
     @property
     def connected(self) -> bool:
@@ -250,6 +253,8 @@ class PeerTable:
         agent = self.agent
         assert agent is not None
         for peer in list(self.by_name.values()):
+            if peer._foreign:
+                continue
             try:
                 agent.send_notif(peer.name, PROBE)
             except PeerDisconnectedError as exc:
@@ -264,6 +269,8 @@ class PeerTable:
             return
         message = goodbye(own_metadata)
         for peer in self.by_name.values():
+            if peer._foreign:
+                continue
             with suppress(AionixlError):
                 agent.send_notif(peer.name, message)
         for _ in range(5):  # let the messages leave before the connections close

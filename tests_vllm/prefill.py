@@ -1,0 +1,122 @@
+"""Starts and steers ``benchmarks/contenders/vllm_worker.py``: a real vLLM prefill worker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aionixl._bench._memory import expected_words
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "benchmarks" / "contenders" / "vllm_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VllmPrefill:
+    """A vLLM prefill worker in a child process; its events are collected as they come."""
+
+    def __init__(self, layers: int = 4, blocks: int = 64, lease_s: int = 30) -> None:
+        read_fd, write_fd = os.pipe()
+        self.port = free_port()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), "--fd", str(write_fd), "--port", str(self.port),
+                 "--dist-port", str(free_port()), "--layers", str(layers), "--blocks", str(blocks),
+                 "--lease-s", str(lease_s)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        self._fd = read_fd
+        self._buf = b""
+        self.events: list[dict[str, Any]] = []
+        self.ready: dict[str, Any] = {}
+
+    def _pump(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self._fd], [], [], timeout)
+        if not ready:
+            return False
+        chunk = os.read(self._fd, 65536)
+        if not chunk:
+            raise RuntimeError(f"the vLLM prefill exited (code {self.proc.poll()})")
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self.events.append(json.loads(line))
+        return True
+
+    def wait_for(self, predicate: Any, timeout: float) -> dict[str, Any]:
+        """The first event (already seen or to come) that satisfies ``predicate``."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for event in self.events[seen:]:
+                if predicate(event):
+                    return event
+            seen = len(self.events)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no matching event within {timeout} s; saw {self.events[-20:]}")
+            self._pump(min(left, 0.5))
+
+    async def until(self, predicate: Any, timeout: float) -> dict[str, Any]:
+        """As ``wait_for``, without blocking the event loop: the engines in this process must
+        keep making NIXL progress meanwhile (a notification leaves only then)."""
+        import anyio
+
+        with anyio.fail_after(timeout):
+            seen = 0
+            while True:
+                for event in self.events[seen:]:
+                    if predicate(event):
+                        return event
+                seen = len(self.events)
+                if not self._pump(0):
+                    await anyio.sleep(0.01)
+
+    def start(self, timeout: float = 240.0) -> VllmPrefill:
+        self.ready = self.wait_for(lambda e: "ready" in e, timeout)["ready"]
+        return self
+
+    @property
+    def address(self) -> str:
+        return str(self.ready["address"])
+
+    def hold(self, req: str, lease_s: float) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "hold", "req": req, "lease_s": lease_s}).encode() + b"\n")
+        self.proc.stdin.flush()
+        self.wait_for(lambda e: e.get("held") == req, 30.0)
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            code = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        os.close(self._fd)
+        return code
+
+
+def region_matches(region: np.ndarray, layer: int, local: list[int], remote: list[int]) -> bool:
+    """Local blocks ``local`` of a [blocks, page] uint8 region hold vLLM's blocks ``remote``."""
+    words = region.view(np.uint64)
+    want = expected_words(layer, np.asarray(remote, dtype=np.int64), words.shape[1])
+    return bool(np.array_equal(words[local], want))
