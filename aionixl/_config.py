@@ -67,7 +67,7 @@ class EngineConfig:
     #: Calls from different tasks closer together than this "arrive together": the later
     #: one gathers a merged request (one trip through the event loop) instead of posting
     #: alone. A caller looping on its own never gathers, whatever the window.
-    coalesce_window: float = 50e-6
+    coalesce_window: float = 0.001
 
     def __post_init__(self) -> None:
         if not self.backends or not all(isinstance(b, str) and b for b in self.backends):

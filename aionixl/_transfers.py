@@ -19,6 +19,7 @@ before it joins), deadline, result and error. A lone caller never gathers.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, NamedTuple
@@ -47,7 +48,7 @@ from ._regions import (
     region_offsets,
     small_indices,
 )
-from ._util import CLOSED, CLOSING, OPEN, check_timeout, current_task_getter, deadline
+from ._util import CLOSED, CLOSING, OPEN, NativeEvent, check_timeout, deadline, loop_tools
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -64,14 +65,28 @@ class TransferResult(NamedTuple):
 
 
 class _InFlight:
-    __slots__ = ("peer", "event", "status", "error", "finished_ns")
+    """A posted NIXL request and whoever waits for it.
 
-    def __init__(self, peer: Peer) -> None:
+    ``event`` is the engine loop's own event class (asyncio's or trio's: cheaper than
+    anyio's portable wrapper; waiting on it is an ordinary cancellable checkpoint).
+    """
+
+    __slots__ = ("peer", "event", "status", "error", "finished_ns", "deadline", "_new_event")
+
+    def __init__(self, peer: Peer, new_event: Callable[[], NativeEvent]) -> None:
         self.peer = peer
-        self.event = anyio.Event()
+        self._new_event = new_event
+        self.event = new_event()
         self.status: Status = PROC
         self.error: AionixlError | None = None
         self.finished_ns = 0
+        #: perf_counter() time at which the poller wakes the waiters to check their
+        #: deadlines (merged requests; a lone transfer's caller keeps its own timer).
+        self.deadline = math.inf
+
+    def expire(self, now: float) -> None:
+        """The poller found ``deadline`` passed (see :class:`_Batch`)."""
+        self.deadline = math.inf
 
     def finish(self, status: Status, error: AionixlError | None = None) -> None:
         self.status = status
@@ -89,8 +104,8 @@ class _Batch(_InFlight):
 
     __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted")
 
-    def __init__(self, peer: Peer, op: Op) -> None:
-        super().__init__(peer)
+    def __init__(self, peer: Peer, op: Op, new_event: Callable[[], NativeEvent]) -> None:
+        super().__init__(peer, new_event)
         self.op = op
         self.entries: list[_Entry] = []
         self.blocks = 0
@@ -107,10 +122,18 @@ class _Batch(_InFlight):
         if entry[4]:
             self.messages += 1
         self.live += 1
+        if entry[5] < self.deadline:
+            self.deadline = entry[5]
+
+    def expire(self, now: float) -> None:
+        """Some member's deadline passed: wake everyone to look (the rest wait again)."""
+        self.deadline = min((e[5] for e in self.entries if e[5] > now), default=math.inf)
+        woken, self.event = self.event, self._new_event()
+        woken.set()
 
 
-#: (local indices, remote indices, blocks, destination block ids, notification)
-_Entry = tuple[Indices, Indices, int, Sequence[int], bytes]
+#: (local indices, remote indices, blocks, destination block ids, notification, deadline)
+_Entry = tuple[Indices, Indices, int, Sequence[int], bytes, float]
 
 #: How long transfer_blocks may finish transfers inline before it yields to the loop: long
 #: while the loop has nothing else to run, short once a yield shows others were waiting
@@ -146,6 +169,7 @@ class Transfers:
         #: Who called last, and when: a call from another task right after it means
         #: callers are arriving together, and this one gathers.
         self._current_task: Callable[[], object] = _no_task
+        self._new_event: Callable[[], NativeEvent] = anyio.Event
         self._last_caller: object = None
         self._last_call = 0.0
         self.merged_requests = 0  # NIXL requests that carried more than one caller
@@ -211,8 +235,8 @@ class Transfers:
             self._last_caller, self._last_call = caller, started
             if together and (not message or MULTI_NOTIFY in peer.features):
                 dest = _destinations(local_blocks if op == "read" else remote_blocks)
-                entry: _Entry = (local_idx, remote_idx, nblocks, dest, message)
                 limit = self._config.transfer_timeout if timeout is None else timeout
+                entry: _Entry = (local_idx, remote_idx, nblocks, dest, message, started + limit)
                 if gathering is not None and gathering.blocks + nblocks <= self._max_merged \
                         and gathering.dests.isdisjoint(dest):
                     gathering.add(entry)
@@ -263,7 +287,7 @@ class Transfers:
     async def _gather(self, peer: Peer, op: Op, entry: _Entry, started: float,
                       limit: float) -> TransferResult:
         """Open a merged request, let the callers arriving with us join, post it."""
-        batch = _Batch(peer, op)
+        batch = _Batch(peer, op, self._new_event)
         batch.add(entry)
         key = (peer, op)
         self._gathering[key] = batch
@@ -298,7 +322,7 @@ class Transfers:
             return
         entries = batch.entries
         if len(entries) == 1:
-            local, remote, _, _, message = entries[0]
+            local, remote, _, _, message, _ = entries[0]
         else:
             local = _concat([e[0] for e in entries])
             remote = _concat([e[1] for e in entries])
@@ -330,23 +354,24 @@ class Transfers:
 
     async def _member(self, batch: _Batch, entry: _Entry, started: float,
                       limit: float) -> TransferResult:
-        """Wait for a merged request as one of its callers; report this caller's part."""
-        try:
-            with deadline(limit):
+        # No timer of its own (a cancel scope per member costs more than the transfer):
+        # the poller wakes the members when the earliest deadline among them passes.
+        while True:
+            try:
                 await batch.event.wait()
-        except TimeoutError:
-            if not batch.event.is_set():
+            except BaseException:
+                if batch.status == PROC:
+                    self._leave(batch, entry)
+                else:
+                    self._retire(batch)
+                raise
+            if batch.status != PROC:
+                break
+            if time.perf_counter() >= entry[5]:
                 self._leave(batch, entry)
                 raise TransferTimeoutError(
                     f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
-                    "it was aborted") from None
-            # It finished as the deadline passed: report what happened.
-        except BaseException:
-            if batch.event.is_set():
-                self._retire(batch)
-            else:
-                self._leave(batch, entry)
-            raise
+                    "it was aborted")
         self._retire(batch)
         error = batch.error
         if error is not None:
@@ -370,7 +395,7 @@ class Transfers:
         if not batch.posted:
             batch.entries.remove(entry)  # its blocks never go out
             return
-        if batch.event.is_set():
+        if batch.status != PROC:
             return
         agent = self.agent
         handle = batch.handle
@@ -398,8 +423,10 @@ class Transfers:
             self._release(self.agent, handle)
 
     def bind_loop(self) -> None:
-        """Called in the engine's event loop: learn how to tell tasks apart cheaply."""
-        self._current_task = current_task_getter()
+        """Called in the engine's event loop: learn its cheap task and event tools."""
+        tools = loop_tools()
+        self._current_task = tools.current_task
+        self._new_event = tools.event
 
     # ---- waiting ------------------------------------------------------------------------
 
@@ -410,7 +437,7 @@ class Transfers:
         rec: _InFlight | None = None
         try:
             if status == PROC:
-                rec = _InFlight(peer)
+                rec = _InFlight(peer, self._new_event)
                 self.inflight[handle] = rec
                 self._poller_wakeup.set()
                 status = await self._wait(rec, limit)
@@ -474,9 +501,12 @@ class Transfers:
                 await self._poller_wakeup.wait()
                 engine._wake_drainer()
                 continue
+            now = time.perf_counter()
             for handle, rec in list(self.inflight.items()):
-                if rec.event.is_set():
+                if rec.status != PROC:
                     continue
+                if now >= rec.deadline:
+                    rec.expire(now)
                 try:
                     status = agent.check(handle)
                 except PeerDisconnectedError as exc:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 
@@ -13,21 +15,36 @@ import anyio
 NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "closed"
 
 
-def current_task_getter() -> Callable[[], object]:
-    """A cheap function naming the running task, for the event loop we are called in.
+class LoopTools(NamedTuple):
+    """Cheap per-call tools of the event loop an engine runs in (the transfer hot path
+    calls them per transfer; anyio's portable versions cost several times more)."""
 
-    anyio's own ``get_current_task()`` builds an info object per call; the backends'
-    functions cost a fraction of that, which matters on the transfer hot path.
-    """
+    current_task: Callable[[], object]
+    event: Callable[[], NativeEvent]
+
+
+class NativeEvent(Protocol):
+    def set(self) -> None: ...
+    def is_set(self) -> bool: ...
+    async def wait(self) -> Any: ...
+
+
+def loop_tools() -> LoopTools:
+    """The :class:`LoopTools` of the running loop (asyncio or trio)."""
     try:
+        import trio
         import trio.lowlevel
 
         trio.lowlevel.current_task()  # raises RuntimeError outside a trio run
-        return trio.lowlevel.current_task
+        return LoopTools(trio.lowlevel.current_task, trio.Event)
     except (ImportError, RuntimeError):
         import asyncio
+        import asyncio.tasks
 
-        return asyncio.current_task
+        loop = asyncio.get_running_loop()
+        # The running task of this loop, read straight from asyncio's own table.
+        current = functools.partial(asyncio.tasks._current_tasks.get, loop)  # type: ignore[attr-defined]
+        return LoopTools(current, asyncio.Event)
 
 
 def deadline(seconds: float) -> ContextManager[anyio.CancelScope]:

@@ -2,8 +2,10 @@
 
 For each width W (1 = one sequential caller), both sides move W distinct one-block reads
 between two agents in this process (DRAM): bare NIXL posts W requests, then polls them
-all until done (its batched loop); aionixl starts W tasks that each await one
-``transfer_blocks`` call. Reports microseconds per transfer (medians over repeats, with
+all until done (its batched loop); for aionixl, W tasks already running and
+waiting (as requests in a server do) are released at once and each awaits one
+``transfer_blocks`` call, timed from the release to the last one done (``--spawn``: a new
+task per call, created inside the timing). Reports microseconds per transfer (medians over repeats, with
 min and max), the ratio to bare NIXL at the same width, and each contender's growth from
 width 1 to width W. Usage:
     .venv/bin/python benchmarks/concurrency.py [--widths 1 64 1024] [--repeats 7]
@@ -15,6 +17,7 @@ import argparse
 import logging
 import statistics
 import time
+from typing import Any
 
 import anyio
 import numpy as np
@@ -74,8 +77,31 @@ def bare(widths: list[int], regions: int, blocks: int, block_bytes: int, transfe
     return out
 
 
+async def wave(transfer: Any, peer: aionixl.Peer, width: int, blocks: int) -> float:
+    """Seconds from releasing ``width`` waiting tasks to the last transfer done."""
+    go, finished = anyio.Event(), anyio.Event()
+    left = width
+
+    async def request(block: int) -> None:
+        nonlocal left
+        await go.wait()
+        await transfer(peer, [block], [block])
+        left -= 1
+        if not left:
+            finished.set()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(width):
+            tg.start_soon(request, i % blocks)
+        await anyio.sleep(0.005)
+        t = time.perf_counter()
+        go.set()
+        await finished.wait()
+        return time.perf_counter() - t
+
+
 async def engine(widths: list[int], regions: int, blocks: int, block_bytes: int, transfers: int,
-                 repeats: int, coalesce: bool) -> dict[int, list[float]]:
+                 repeats: int, coalesce: bool, spawn: bool) -> dict[int, list[float]]:
     src = [np.full((blocks, block_bytes), 7, np.uint8) for _ in range(regions)]
     dst = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(regions)]
     cfg = aionixl.EngineConfig(coalesce=coalesce)
@@ -92,16 +118,21 @@ async def engine(widths: list[int], regions: int, blocks: int, block_bytes: int,
             rounds = max(1, transfers // width)
             results = []
             for rep in range(repeats + 1):
-                t = time.perf_counter()
+                spent = 0.0
                 for _ in range(rounds):
+                    t = time.perf_counter()
                     if width == 1:
                         await d.transfer_blocks(peer, [3], [3])
+                    elif spawn:
+                        async with anyio.create_task_group() as tg:
+                            for i in range(width):
+                                tg.start_soon(one, i % blocks)
+                    else:
+                        spent += await wave(d.transfer_blocks, peer, width, blocks)
                         continue
-                    async with anyio.create_task_group() as tg:
-                        for i in range(width):
-                            tg.start_soon(one, i % blocks)
+                    spent += time.perf_counter() - t
                 if rep:
-                    results.append((time.perf_counter() - t) / (rounds * width))
+                    results.append(spent / (rounds * width))
             out[width] = results
     assert all((m == 7).all() for m in dst)
     return out
@@ -114,15 +145,18 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=4096)
     p.add_argument("--transfers", type=int, default=4096, help="transfers per repeat and width")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--spawn", action="store_true", help="a new task per call, inside the timing")
+    p.add_argument("--backends", nargs="+", default=["asyncio", "trio"])
+    p.add_argument("--no-baseline-off", action="store_true", help="skip the coalesce=False rows")
     args = p.parse_args()
     blocks = max(args.widths)
     shape = (args.widths, args.regions, blocks, args.block_bytes)
     rows: dict[str, dict[int, list[float]]] = {}
     rows["bare NIXL batched"] = bare(*shape, args.transfers, args.repeats)
-    for backend in ("asyncio", "trio"):
-        for coalesce in (True, False):
+    for backend in args.backends:
+        for coalesce in (True,) if args.no_baseline_off else (True, False):
             name = f"aionixl {backend}{'' if coalesce else ' (no coalescing)'}"
-            rows[name] = anyio.run(engine, *shape, args.transfers, args.repeats, coalesce,
+            rows[name] = anyio.run(engine, *shape, args.transfers, args.repeats, coalesce, args.spawn,
                                    backend=backend)
     base = {w: statistics.median(v) for w, v in rows["bare NIXL batched"].items()}
     first = args.widths[0]

@@ -259,3 +259,43 @@ async def test_coalescing_off_posts_one_request_per_call() -> None:
                 tg.start_soon(dst.transfer_blocks, peer, [i], [i])
         assert merged(dst) == (0, 0)
         assert np.array_equal(dst_cache[0][:32], src_cache[0][:32])
+
+
+async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> None:
+    """A stopped TCP peer keeps a merged read in flight: the member with a short timeout
+    fails at its deadline, the others wait on and get their bytes after the resume."""
+    local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=0.05)
+    async with RemoteEngine(seed=13, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
+            aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+        peer = await eng.connect(child.address, timeout=30)
+        await eng.transfer_blocks(peer, [0], [0])
+        await child.pause()
+        outcomes: dict[int, object] = {}
+        timed: dict[int, float] = {}
+
+        async def read(i: int, timeout: float) -> None:
+            start = anyio.current_time()
+            try:
+                outcomes[i] = await eng.transfer_blocks(peer, [i], [i], timeout=timeout)
+            except aionixl.TransferTimeoutError as exc:
+                outcomes[i] = exc
+            timed[i] = anyio.current_time() - start
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(1, 7):
+                    tg.start_soon(read, i, 0.5 if i in (2, 5) else 30)
+                await anyio.sleep(1.5)
+                await child.resume()
+        finally:
+            await child.resume()
+        assert merged(eng)[0] >= 1
+        for i in (2, 5):
+            assert isinstance(outcomes[i], aionixl.TransferTimeoutError), outcomes[i]
+            assert 0.5 <= timed[i] < 1.4, timed[i]
+        ok = [1, 3, 4, 6]
+        assert all(isinstance(outcomes[i], aionixl.TransferResult) for i in ok), outcomes
+        assert_blocks_equal(local, ok, 13, ok, **GEOMETRY)
+        live = eng.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
