@@ -143,6 +143,8 @@ class Engine:
             "handshakes_accepted": self._handshakes.accepted,
             "handshakes_rejected": self._handshakes.rejected,
             "peers_evicted": self._peers.evicted,
+            "merged_requests": self._transfers.merged_requests,
+            "merged_calls": self._transfers.merged_calls,
         }
 
     # ---- lifecycle ----------------------------------------------------------------------

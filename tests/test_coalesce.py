@@ -21,8 +21,8 @@ TOGETHER = aionixl.EngineConfig(coalesce_window=0.05)
 
 
 def merged(engine: aionixl.Engine) -> tuple[int, int]:
-    t = engine._transfers
-    return t.merged_requests, t.merged_calls
+    stats = engine.stats()
+    return stats["merged_requests"], stats["merged_calls"]
 
 
 async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact() -> None:

@@ -112,7 +112,7 @@ async def test_cancellation_aborts_and_releases_the_handle(tcp_peer: RemoteEngin
                 tg.start_soon(run, "1", 0.2)
                 tg.start_soon(run, "2", 0.6)
                 await anyio.sleep(0.05)
-                assert eng.live_resources()["in_flight"] == 2
+                assert 1 <= eng.live_resources()["in_flight"] <= 2  # they may share a request
             assert outcome == {"1": "timeout", "2": "timeout"}
             assert eng.live_resources()["transfer_handles"] == 0
     assert_no_resources(eng)
@@ -135,7 +135,8 @@ async def test_close_with_transfers_in_flight(tcp_peer: RemoteEngine) -> None:
                 for i in range(1, 7):
                     tg.start_soon(transfer, i)
                 await anyio.sleep(0.1)
-                assert eng.live_resources()["in_flight"] == 6
+                # Six callers, in one to six NIXL requests (concurrent calls coalesce).
+                assert 1 <= eng.live_resources()["in_flight"] <= 6
                 start = anyio.current_time()
                 async with anyio.create_task_group() as closers:
                     closers.start_soon(eng.aclose)
