@@ -98,7 +98,7 @@ def _lists(pairs: list[tuple[Any, Any]]) -> list[list[list[int]]]:
 def run(ctx: Any) -> dict[str, Any]:
     spec = ctx.spec
     out: dict[str, Any] = {}
-    geometry = ["--layers", str(spec.regions), "--blocks", str(spec.blocks),
+    geometry = ["--unpin", "--layers", str(spec.regions), "--blocks", str(spec.blocks),
                 "--block-size", str(spec.vllm_block_tokens), "--kv-heads", str(spec.vllm_kv_heads),
                 "--head-dim", str(spec.vllm_head_dim)]
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"aionixl-bench-vllm-{os.getpid()}.log"

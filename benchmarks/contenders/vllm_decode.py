@@ -216,6 +216,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--engine-id", default=f"vllm-decode-{os.getpid()}")
+    p.add_argument("--unpin", action="store_true",
+                   help="after vLLM's set-up, allow every CPU again (vLLM's CPU platform pins)")
     args = p.parse_args()
     out = os.fdopen(args.fd, "w")
 
@@ -224,11 +226,12 @@ def main() -> None:
         out.flush()
 
     side = VllmSide("decode", args.engine_id, args.port, args.layers, args.blocks, args.block_size,
-                    args.kv_heads, args.head_dim, 30, args.dist_port)
+                    args.kv_heads, args.head_dim, 30, args.dist_port, unpin=args.unpin)
     decode = Decode(side, args.port)
     emit({"ready": {"pid": os.getpid(), "page_bytes": side.page_bytes, "layers": side.layers,
                     "blocks": side.blocks, "threads_base": side.threads_base,
-                    "threads_open": thread_count(), "affinity": sorted(os.sched_getaffinity(0))}})
+                    "threads_open": thread_count(), "vllm_affinity": side.affinity,
+                    "affinity": sorted(os.sched_getaffinity(0))}})
     handlers = {"connect": decode.cmd_connect, "reads": decode.cmd_reads, "verify": decode.cmd_verify,
                 "idle": decode.cmd_idle, "close": decode.cmd_close}
     try:

@@ -65,7 +65,8 @@ class VllmSide:
     """One vLLM worker's connector pair over a patterned KV cache (prefill or decode)."""
 
     def __init__(self, role: str, engine_id: str, port: int, layers: int, blocks: int,
-                 block_size: int, kv_heads: int, head_dim: int, lease_s: int, dist_port: int) -> None:
+                 block_size: int, kv_heads: int, head_dim: int, lease_s: int, dist_port: int,
+                 unpin: bool = False) -> None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         import torch
@@ -110,6 +111,10 @@ class VllmSide:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
         ensure_model_parallel_initialized(1, 1)
+        #: The CPUs vLLM's CPU platform left this process on (it pins workers to cores).
+        self.affinity = sorted(os.sched_getaffinity(0))
+        if unpin:  # the bench: place vLLM's processes as freely as aionixl's
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim,
                                  dtype=torch.bfloat16)
@@ -245,6 +250,8 @@ def main() -> None:
     p.add_argument("--lease-s", type=int, default=30, help="vLLM kv_lease_duration")
     p.add_argument("--step-ms", type=float, default=1.0, help="engine step: get_finished period")
     p.add_argument("--engine-id", default=f"vllm-prefill-{os.getpid()}")
+    p.add_argument("--unpin", action="store_true",
+                   help="after vLLM's set-up, allow every CPU again (vLLM's CPU platform pins)")
     p.add_argument("--quiet", action="store_true",
                    help="no notif/lease/freed events (the bench: thousands of reads)")
     args = p.parse_args()
@@ -255,12 +262,13 @@ def main() -> None:
         out.flush()
 
     side = VllmSide("prefill", args.engine_id, args.port, args.layers, args.blocks, args.block_size,
-                    args.kv_heads, args.head_dim, args.lease_s, args.dist_port)
+                    args.kv_heads, args.head_dim, args.lease_s, args.dist_port, unpin=args.unpin)
     loop = PrefillLoop(side, emit, quiet=args.quiet)
     emit({"ready": {"pid": os.getpid(), "address": side.address, "engine_id": args.engine_id,
                     "compat_hash": side.handshake.compatibility_hash, "layers": side.layers,
                     "blocks": side.blocks, "page_bytes": side.page_bytes,
-                    "threads": thread_count()}})
+                    "threads": thread_count(),
+                    "vllm_affinity": side.affinity, "affinity": sorted(os.sched_getaffinity(0))}})
     fd = sys.stdin.fileno()
     buf = b""
     try:
