@@ -337,10 +337,11 @@ def _report(spec: Spec, machine: dict[str, Any], chosen: list[str],
         notes.append("  vLLM reads: start_load_kv, then get_finished (get_transfer_results) in a tight loop "
                      "until it reports the read (no forward pass between); handshake: vLLM's own, on its "
                      "handshake thread; close: worker shutdown + its side-channel listener's"
-                     + (f"; vLLM's CPU platform pinned its workers to CPUs "
-                        f"{info['decode_ready'].get('vllm_affinity')}, undone after its set-up "
-                        f"(now {info['decode_ready'].get('affinity')}) so that they are placed as freely "
-                        "as aionixl's" if "decode_ready" in info else ""))
+                     + (f"; vLLM's connector pins its engine thread to CPUs "
+                        f"{info['decode_ready'].get('vllm_affinity')} (the last core per NUMA node, in "
+                        "both workers); undone here (now "
+                        f"{info['decode_ready'].get('affinity')}) so that vLLM's processes are placed as "
+                        "freely as aionixl's" if "decode_ready" in info else ""))
     config = asdict(spec)
     config["seq"] = {str(k): v for k, v in spec.seq.items()}
     config.update(regions=spec.regions, bytes_per_block_id=spec.bytes_per_block_id,

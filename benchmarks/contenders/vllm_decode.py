@@ -217,7 +217,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--engine-id", default=f"vllm-decode-{os.getpid()}")
     p.add_argument("--unpin", action="store_true",
-                   help="after vLLM's set-up, allow every CPU again (vLLM's CPU platform pins)")
+                   help="let every thread run on any CPU again after vLLM's connector pinned it")
     args = p.parse_args()
     out = os.fdopen(args.fd, "w")
 

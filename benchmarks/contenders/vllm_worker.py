@@ -23,6 +23,7 @@ stdin shuts the connectors down and exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -111,10 +112,7 @@ class VllmSide:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
         ensure_model_parallel_initialized(1, 1)
-        #: The CPUs vLLM's CPU platform left this process on (it pins workers to cores).
-        self.affinity = sorted(os.sched_getaffinity(0))
-        if unpin:  # the bench: place vLLM's processes as freely as aionixl's
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        self._unpin = unpin
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim,
                                  dtype=torch.bfloat16)
@@ -144,7 +142,15 @@ class VllmSide:
     def new_worker(self) -> Any:
         """A WORKER-role connector (its own NIXL agent) that registers this cache."""
         worker = self._connector_cls(self.config, self._roles.WORKER, self._kv_config)
+        #: On CPU, vLLM's connector worker pins the thread that creates it (the engine loop's,
+        #: which calls start_load_kv) to the last core of each NUMA node.
+        self.affinity = sorted(os.sched_getaffinity(0))
         worker.register_kv_caches(dict(zip(self.layer_names, self._views, strict=True)))
+        if self._unpin:  # the bench: every thread of this process may run on any CPU again
+            every = range(os.cpu_count() or 1)
+            for tid in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), every)
         return worker
 
     def new_listener(self, worker: Any, port: int) -> Any:
@@ -251,7 +257,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=1.0, help="engine step: get_finished period")
     p.add_argument("--engine-id", default=f"vllm-prefill-{os.getpid()}")
     p.add_argument("--unpin", action="store_true",
-                   help="after vLLM's set-up, allow every CPU again (vLLM's CPU platform pins)")
+                   help="let every thread run on any CPU again after vLLM's connector pinned it")
     p.add_argument("--quiet", action="store_true",
                    help="no notif/lease/freed events (the bench: thousands of reads)")
     args = p.parse_args()
