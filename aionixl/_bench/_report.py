@@ -126,9 +126,10 @@ def summarize(values: list[float]) -> dict[str, float] | None:
 def build_measures(spec: Any, raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     last = max(spec.inflight)
+    columns = [c for c in ORDER if c != "vllm" or getattr(spec, "with_vllm", False)]
     for m in measures(spec):
         results: dict[str, Any] = {}
-        for c in ORDER:
+        for c in columns:
             samples = raw.get(c, {})
             if m.key == f"growth_{last}":
                 a, b = samples.get(f"inflight_{last}"), samples.get("seq_1")
@@ -200,7 +201,7 @@ def build_targets(spec: Any, ms: dict[str, Any],
     out = []
     for t in targets(spec):
         results: dict[str, Any] = {}
-        for c in ("asyncio", "trio", "threaded", "vllm"):
+        for c in ("asyncio", "trio", "threaded", *(("vllm",) if getattr(spec, "with_vllm", False) else ())):
             unpaired = t.value(ms, c)
             ratios = (paired or {}).get(c, {}).get(t.paired or "", [])
             v = float(np.median(ratios)) if ratios else unpaired
