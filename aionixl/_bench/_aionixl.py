@@ -39,6 +39,18 @@ async def _seq(eng: Engine, peer: Peer, pairs: list[tuple[Ids, Ids]], n: int, op
     return (time.perf_counter() - t) / n
 
 
+async def _latencies(eng: Engine, peer: Peer, pairs: list[tuple[Ids, Ids]], n: int) -> list[float]:
+    """Seconds of each of ``n`` one-block reads, timed one by one."""
+    k = len(pairs)
+    out = []
+    for i in range(n):
+        loc, rem = pairs[i % k]
+        t = time.perf_counter()
+        await eng.transfer_blocks(peer, loc, rem)
+        out.append(time.perf_counter() - t)
+    return out
+
+
 async def _inflight(eng: Engine, peer: Peer, pairs: list[tuple[list[int], list[int]]]) -> float:
     """One task per request, already running and waiting (as in a server); on the signal,
     each starts its transfer. Seconds from the signal until the last one is done, / count."""
@@ -161,6 +173,11 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
                 out[f"seq_{nblocks}"] = mine
                 for k, vals in zip([k for k in ("seq_1", "seq_1_raw") if k in refs], theirs, strict=False):
                     paired[f"seq_1_vs_{'bare' if k == 'seq_1' else 'bare_raw'}"] = _ratios(mine, vals)
+            if spec.with_vllm:
+                pairs = ctx.workload("contiguous", 1)
+                ctx.progress(f"{label}: one-block reads timed one by one")
+                out.update(ctx.latency_rows([await _latencies(eng, peer, pairs, spec.lat_count)
+                                             for _ in range(spec.repeats)]))
             for nblocks in spec.scattered:
                 pairs = ctx.workload("scattered", nblocks)
                 count = spec.seq.get(nblocks, 10)
@@ -242,6 +259,19 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
         out.update(extra)
     out["close"] = closes
     info.update(close_in_flight=at_close, close_resources_left=left, close_transport=spec.slow_tls)
+    if spec.with_vllm:
+        closes, opened, after = [], [], []
+        for i in range(spec.close_repeats):
+            ctx.progress(f"{label}: close with 1 peer and {spec.close_inflight} transfers in flight "
+                         f"over UCX tcp ({i + 1}/{spec.close_repeats})")
+            threads: dict[str, int] = {}
+            seconds, inflight, leftover, _ = await _close_once(ctx, backend, first=False, npeers=1,
+                                                               threads=threads)
+            closes.append(seconds)
+            opened.append(float(threads["open"] - threads["base"]))
+            after.append(float(threads["after"] - threads["base"]))
+            info.setdefault("close_1_in_flight", []).append(inflight)
+        out.update(close_1=closes, threads_open=opened, threads_closed=after)
     out["info"] = info
     return out
 
@@ -256,14 +286,20 @@ async def _doomed(eng: Engine, peer: Peer, ids: list[int], counts: dict[str, int
         counts["finished"] += 1
 
 
-async def _close_once(ctx: Context, backend: str, first: bool) -> tuple[float, int, int, dict[str, Any]]:
+async def _close_once(ctx: Context, backend: str, first: bool, npeers: int | None = None,
+                      threads: dict[str, int] | None = None) -> tuple[float, int, int, dict[str, Any]]:
+    """``threads``, when given, gets this process's OS thread count before the engine, with it
+    open and connected, and right after its close."""
     spec = ctx.spec
     extra: dict[str, Any] = {}
+    counts_threads = threads if threads is not None else {}
+    counts_threads["base"] = ctx.thread_count()
     async with AsyncExitStack() as stack:
         with ctx.ucx_env(spec.slow_tls):
             eng = await stack.enter_async_context(Engine(ctx.unique(f"aionixl-{backend}-tcp"),
                                                          ctx.local.regions))
-        peers = [await eng.connect(u.address, timeout=30) for u in ctx.units[: spec.peers]]
+        peers = [await eng.connect(u.address, timeout=30)
+                 for u in ctx.units[: spec.peers if npeers is None else npeers]]
         for p in peers:
             await eng.transfer_blocks(p, [0], [0])  # wire-up, over tcp
         if first:
@@ -289,9 +325,11 @@ async def _close_once(ctx: Context, backend: str, first: bool) -> tuple[float, i
             while counts["posted"] < spec.close_inflight:
                 await anyio.sleep(0)  # until every task has posted its transfer
             inflight = eng.live_resources()["in_flight"]
+            counts_threads["open"] = ctx.thread_count()
             t = time.perf_counter()
             await eng.aclose()
             seconds = time.perf_counter() - t
+            counts_threads["after"] = ctx.thread_count()
     leftover = sum(eng.live_resources().values())
     return seconds, inflight, leftover, extra
 

@@ -178,6 +178,18 @@ class Context:
             else:
                 os.environ["UCX_TLS"] = old
 
+    @staticmethod
+    def thread_count() -> int:
+        """OS threads of this process now."""
+        return len(os.listdir("/proc/self/task"))
+
+    @staticmethod
+    def latency_rows(per_repeat: list[list[float]]) -> dict[str, list[float]]:
+        """One-block read latencies (seconds, one list per repeat) as the p50/p90/p99 rows:
+        each repeat's percentile, so the table's median and spread are over repeats."""
+        return {f"lat_1_p{q}": [float(np.percentile(r, q)) for r in per_repeat if r]
+                for q in (50, 90, 99)}
+
     def timed_repeats(self, label: str, body: Callable[[], float], repeats: int | None = None) -> list[float]:
         """Run ``body`` (which returns one sample) ``repeats`` times, reporting progress."""
         self.progress(label)

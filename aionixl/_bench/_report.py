@@ -20,8 +20,11 @@ CONTENDERS: dict[str, tuple[str, str]] = {
                "memory-bandwidth limit"),
     "asyncio": ("aionixl asyncio", "aionixl.Engine with its default config, on asyncio"),
     "trio": ("aionixl trio", "aionixl.Engine with its default config, on trio"),
+    "vllm": ("vLLM connector", "vLLM's real NixlConnector (pull/READ) in a decode worker process "
+             "reading from a vLLM prefill worker process (benchmarks/contenders/vllm_decode.py, "
+             "vllm_worker.py); --with-vllm only"),
 }
-ORDER = ["bare", "threaded", "memcpy", "asyncio", "trio"]
+ORDER = ["bare", "threaded", "memcpy", "asyncio", "trio", "vllm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ def measures(spec: Any) -> list[Measure]:
                 f"transfers of {spec.close_blocks} blocks in flight (UCX tcp)"),
         Measure("idle_cpu", "idle CPU, open engine", "% core", 100.0, "minmax",
                 "CPU time of this whole process / wall time while one connected engine sits idle"),
+        *(_vllm_measures(spec) if getattr(spec, "with_vllm", False) else []),
         Measure("lag_idle", "loop lag p99, idle loop", "ms", 1e3, "minmax",
                 f"p99 lateness of a {spec.lag_tick_s * 1e3:g} ms sleep with nothing else running"),
         Measure("lag_64", f"loop lag p99, {spec.lag_workers} workers", "ms", 1e3, "minmax",
@@ -86,6 +90,27 @@ def measures(spec: Any) -> list[Measure]:
                 f"{spec.lag_workers} tasks each reading one block in a loop over UCX tcp (truly in flight)"),
     ]
     return ms
+
+
+def _vllm_measures(spec: Any) -> list[Measure]:
+    """The rows a --with-vllm run adds (every contender that can measures them)."""
+    out = [Measure(f"lat_1_p{q}", f"1-block read, p{q} per read", "us", 1e6, "minmax",
+                   f"p{q} of {spec.lat_count} one-block reads timed one by one (vLLM: from "
+                   "start_load_kv to the get_finished call that reports it), per repeat")
+           for q in (50, 90, 99)]
+    out += [
+        Measure("close_1", f"close, 1 peer + {spec.close_inflight} in flight", "ms", 1e3, "minmax",
+                f"as the close row, with one peer (vLLM: worker shutdown + its side-channel "
+                f"listener's shutdown), {spec.close_inflight} reads of {spec.close_blocks} blocks "
+                "in flight over UCX tcp"),
+        Measure("threads_open", "OS threads added, open", "threads", 1.0, "minmax",
+                "threads of the process with the engine/connector open and connected to 1 peer, "
+                "minus before it was created"),
+        Measure("threads_closed", "OS threads left after close", "threads", 1.0, "minmax",
+                "threads of the process right after close/shutdown (no gc), minus before it was "
+                "created"),
+    ]
+    return out
 
 
 def summarize(values: list[float]) -> dict[str, float] | None:
@@ -101,9 +126,10 @@ def summarize(values: list[float]) -> dict[str, float] | None:
 def build_measures(spec: Any, raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     last = max(spec.inflight)
+    columns = [c for c in ORDER if c != "vllm" or getattr(spec, "with_vllm", False)]
     for m in measures(spec):
         results: dict[str, Any] = {}
-        for c in ORDER:
+        for c in columns:
             samples = raw.get(c, {})
             if m.key == f"growth_{last}":
                 a, b = samples.get(f"inflight_{last}"), samples.get("seq_1")
@@ -175,7 +201,7 @@ def build_targets(spec: Any, ms: dict[str, Any],
     out = []
     for t in targets(spec):
         results: dict[str, Any] = {}
-        for c in ("asyncio", "trio", "threaded"):
+        for c in ("asyncio", "trio", "threaded", *(("vllm",) if getattr(spec, "with_vllm", False) else ())):
             unpaired = t.value(ms, c)
             ratios = (paired or {}).get(c, {}).get(t.paired or "", [])
             v = float(np.median(ratios)) if ratios else unpaired
@@ -244,21 +270,25 @@ def tables(report: dict[str, Any]) -> str:
             lo, hi = (r["min"], r["max"]) if m["spread"] == "minmax" else (r["p10"], r["p90"])
             row += f"{_num(lo * m['scale']) + '-' + _num(hi * m['scale']):>{wc}}"
         lines.append(row)
+    refs = [("threaded", "threaded model")]
+    if "vllm" in report["contenders"]:
+        refs.append(("vllm", "vLLM connector"))
     lines += ["", "Targets (aionixl, same run; ratios marked * are paired: median over repeats that "
-              "alternated with the reference loop; the threaded model shown for reference)"]
-    th = f"{'target':<44}{'limit':>12}{'aionixl asyncio':>22}{'aionixl trio':>22}{'threaded model':>16}"
+              f"alternated with the reference loop; {' and '.join(r[1] for r in refs)} shown for reference)"]
+    th = (f"{'target':<44}{'limit':>12}{'aionixl asyncio':>22}{'aionixl trio':>22}"
+          + "".join(f"{label:>16}" for _, label in refs))
     lines += [th, "-" * len(th)]
     for t in report["targets"]:
         limit = f"{t['op']} {_num(t['limit'] * t['scale'])} {t['unit']}"
         row = f"{t['title']:<44}{limit:>12}"
-        for c, width in (("asyncio", 22), ("trio", 22), ("threaded", 16)):
+        for c, width in (("asyncio", 22), ("trio", 22), *((c, 16) for c, _ in refs)):
             r = t["results"][c]
             if r["value"] is None:
                 cell = "-"
             else:
                 star = "*" if r.get("method") == "paired" else ""
                 cell = f"{_num(r['value'] * t['scale'])}{star} {t['unit']}"
-                if c != "threaded":
+                if c in ("asyncio", "trio"):
                     cell += "  met" if r["met"] else "  NOT met"
             row += f"{cell:>{width}}"
         lines.append(row)
@@ -278,7 +308,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     spec = report["config"]
     cols = [c for c in ORDER if c in report["contenders"]]
     colors = {"bare": "#444444", "threaded": "#d62728", "memcpy": "#7f7f7f", "asyncio": "#1f77b4",
-              "trio": "#2ca02c"}
+              "trio": "#2ca02c", "vllm": "#9467bd"}
     fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
 
     def med(key: str, c: str) -> float | None:

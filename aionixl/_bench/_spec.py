@@ -45,6 +45,14 @@ class Spec:
     step_s: float = 0.001
     #: Per repeat, the threaded model runs at most this long in a sequential loop.
     threaded_repeat_budget_s: float = 0.1
+    #: One-block reads timed one by one per repeat (p50/p90/p99 rows; --with-vllm runs).
+    lat_count: int = 500
+    #: --with-vllm: vLLM's real NixlConnector as a contender (and the rows only it has).
+    with_vllm: bool = False
+    #: Tokens per vLLM block (vLLM's CPU attention backend needs a multiple of 32).
+    vllm_block_tokens: int = 32
+    #: The vLLM model's head dimension; its KV heads follow from --block-bytes.
+    vllm_head_dim: int = 64
     quick: bool = False
 
     @property
@@ -60,6 +68,12 @@ class Spec:
         """UCX_TLS for the measures that need transfers to stay in flight (close, wake):
         tcp only, plus cuda_copy on GPUs so that VRAM can be staged through the host."""
         return "tcp,cuda_copy" if self.device == "cuda" else "tcp"
+
+    @property
+    def vllm_kv_heads(self) -> int:
+        """KV heads of the vLLM model whose page (K and V of one block, bf16) is
+        ``block_bytes``: block_bytes = tokens x heads x head_dim x 2 (K, V) x 2 bytes."""
+        return self.block_bytes // (self.vllm_block_tokens * self.vllm_head_dim * 4)
 
     @property
     def bulk_blocks(self) -> int:
@@ -78,6 +92,14 @@ class Spec:
             out.append("--peers must be at least 1")
         if self.step_s < 0:
             out.append("--step-ms must be >= 0")
+        if self.with_vllm:
+            unit = self.vllm_block_tokens * self.vllm_head_dim * 4
+            if self.block_bytes % unit or self.vllm_kv_heads < 1:
+                out.append(f"--with-vllm needs --block-bytes a multiple of {unit} (vLLM's page: "
+                           f"{self.vllm_block_tokens} tokens x KV heads x head dim "
+                           f"{self.vllm_head_dim} x K/V x bf16)")
+            if self.device != "cpu":
+                out.append("--with-vllm runs vLLM's CPU build: DRAM only (no --device cuda)")
         return out
 
 
@@ -90,4 +112,4 @@ def quick_spec() -> Spec:
     return replace(Spec(), repeats=3, seq={1: 600, 16: 60, 256: 4}, bulk_count=6, connect_count=8,
                    close_repeats=1, wake_count=60, idle_windows=2, idle_window_s=0.25,
                    idle_settle_s=0.3, lag_window_s=0.2, lag_windows=1,
-                   threaded_repeat_budget_s=0.04, quick=True)
+                   threaded_repeat_budget_s=0.04, lat_count=150, quick=True)

@@ -88,6 +88,17 @@ class BareNixl:
             agent.release_xfer_handle(handle)
         return (time.perf_counter() - t) / n
 
+    def latencies(self, pairs: list[tuple[np.ndarray, np.ndarray]], n: int) -> list[float]:
+        """Seconds of each of ``n`` sequential transfers, timed one by one."""
+        k = len(pairs)
+        out = []
+        for i in range(n):
+            li, ri = pairs[i % k]
+            t = time.perf_counter()
+            self.one(li, ri)
+            out.append(time.perf_counter() - t)
+        return out
+
     def seq_raw(self, pairs: list[tuple[np.ndarray, np.ndarray]], n: int) -> float:
         """As :meth:`seq`, straight on the bound ``nixlAgent`` (no wrapper objects per call):
         the four calls aionixl itself makes per short transfer."""
@@ -170,6 +181,9 @@ def run(ctx: Any) -> dict[str, Any]:
         one = _indexed(ctx, ctx.workload("contiguous", 1))
         out["seq_1_raw"] = ctx.timed_repeats(
             "bare NIXL: 1-block reads on the raw bindings", lambda: bare.seq_raw(one, spec.seq[1]))
+        if spec.with_vllm:
+            out.update(ctx.latency_rows(ctx.timed_repeats(
+                "bare NIXL: one-block reads timed one by one", lambda: bare.latencies(one, spec.lat_count))))
         for nblocks in spec.scattered:
             pairs = _indexed(ctx, ctx.workload("scattered", nblocks))
             count = spec.seq.get(nblocks, 10)

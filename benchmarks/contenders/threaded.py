@@ -71,6 +71,20 @@ def _seq(conn: ThreadedConnector, address: str, pairs: list[Any], n: int, step_s
     return (time.perf_counter() - t) / n
 
 
+def _latencies(conn: ThreadedConnector, address: str, pairs: list[Any], n: int, step_s: float,
+               req: _Requests) -> list[float]:
+    k = len(pairs)
+    out = []
+    for i in range(n):
+        loc, rem = pairs[i % k]
+        r = req.new()
+        t = time.perf_counter()
+        conn.read_blocks(r, address, loc, rem)
+        _wait(conn, step_s, requests={r})
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def _batched(conn: ThreadedConnector, address: str, pairs: list[Any], step_s: float,
              req: _Requests) -> float:
     t = time.perf_counter()
@@ -109,6 +123,12 @@ def run(ctx: Any) -> dict[str, Any]:
             out[f"seq_{nblocks}"] = ctx.timed_repeats(
                 f"threaded model: {nblocks}-block reads",
                 lambda p=pairs, n=n: _seq(conn, address, p, n, step_s, req))
+        if spec.with_vllm:
+            pairs = ctx.workload("contiguous", 1)
+            n = count_for(spec.lat_count)
+            out.update(ctx.latency_rows(ctx.timed_repeats(
+                "threaded model: one-block reads timed one by one",
+                lambda p=pairs, n=n: _latencies(conn, address, p, n, step_s, req))))
         for nblocks in spec.scattered:
             pairs = ctx.workload("scattered", nblocks)
             n = count_for(spec.seq.get(nblocks, 10))
@@ -162,14 +182,28 @@ def run(ctx: Any) -> dict[str, Any]:
     out["close"] = closes
     out["info"] = {"verified": True, "step_s": step_s, "close_in_flight": at_close,
                    "close_transport": spec.slow_tls}
+    if spec.with_vllm:
+        closes, opened, after = [], [], []
+        for i in range(spec.close_repeats):
+            ctx.progress(f"threaded model: close with 1 peer and {spec.close_inflight} reads in flight "
+                         f"over UCX tcp ({i + 1}/{spec.close_repeats})")
+            threads: dict[str, int] = {}
+            seconds, _ = _close_once(ctx, step_s, req, npeers=1, threads=threads)
+            closes.append(seconds)
+            opened.append(float(threads["open"] - threads["base"]))
+            after.append(float(threads["after"] - threads["base"]))
+        out.update(close_1=closes, threads_open=opened, threads_closed=after)
     return out
 
 
-def _close_once(ctx: Any, step_s: float, req: _Requests) -> tuple[float, int]:
+def _close_once(ctx: Any, step_s: float, req: _Requests, npeers: int | None = None,
+                threads: dict[str, int] | None = None) -> tuple[float, int]:
     spec = ctx.spec
+    counts = threads if threads is not None else {}
+    counts["base"] = ctx.thread_count()
     conn = ThreadedConnector(ctx.unique("threaded-close"), ctx.local.layout(), ucx_tls=spec.slow_tls)
     try:
-        units = ctx.units[: spec.peers]
+        units = ctx.units[: spec.peers if npeers is None else npeers]
         _connect(ctx, conn, units, step_s)
         warm = set()
         for unit in units:
@@ -184,8 +218,11 @@ def _close_once(ctx: Any, step_s: float, req: _Requests) -> tuple[float, int]:
             ids = list(range(first, first + spec.close_blocks))
             conn.read_blocks(req.new(), unit.meta_address, ids, ids)
         inflight = conn.in_flight
+        counts["open"] = ctx.thread_count()
         t = time.perf_counter()
         conn.shutdown()
-        return time.perf_counter() - t, inflight
+        seconds = time.perf_counter() - t
+        counts["after"] = ctx.thread_count()
+        return seconds, inflight
     finally:
         conn.shutdown()

@@ -11,16 +11,19 @@ and calls ``get_finished``, which reads the decoders' notifications and frees bl
 
 Protocol: a JSON ``ready`` line on ``--fd``; then JSON commands on stdin, one per line:
 ``{"op": "hold", "req": ID, "lease_s": S}`` (blocks of request ID are held until a decoder's
-notification or the lease's end; acknowledged with ``{"held": ID}``), and events on
+notification or the lease's end; acknowledged with ``{"held": ID}``; ``hold_many`` with
+``"reqs": [IDs]`` holds many in one step, acknowledged with ``{"held_many": N}``), and events on
 ``--fd`` as they happen: ``{"event": "notif", "msg": ...}`` for every notification NIXL
 delivered, ``{"event": "lease", "req": ID, "remaining_s": S}`` when a lease deadline moved
-(heartbeats), ``{"event": "freed", "req": ID, "reason": "notified" | "expired"}``. End of
+(heartbeats), ``{"event": "freed", "req": ID, "reason": "notified" | "expired"}`` (none of
+these with ``--quiet``). End of
 stdin shuts the connectors down and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -40,6 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from aionixl._bench._memory import expected_words
 
 
+def thread_count() -> int:
+    """OS threads of this process now."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def write_model_config(folder: str, layers: int, kv_heads: int, head_dim: int) -> None:
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -48,14 +56,18 @@ def write_model_config(folder: str, layers: int, kv_heads: int, head_dim: int) -
         "num_hidden_layers": layers, "vocab_size": 128, "max_position_embeddings": 4096,
         "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
     }
-    Path(folder, "config.json").write_text(json.dumps(config))
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    staged = Path(folder, f"config.json.{os.getpid()}")
+    staged.write_text(json.dumps(config))
+    staged.replace(Path(folder, "config.json"))  # atomic: processes may write it at once
 
 
 class VllmSide:
     """One vLLM worker's connector pair over a patterned KV cache (prefill or decode)."""
 
     def __init__(self, role: str, engine_id: str, port: int, layers: int, blocks: int,
-                 block_size: int, kv_heads: int, head_dim: int, lease_s: int, dist_port: int) -> None:
+                 block_size: int, kv_heads: int, head_dim: int, lease_s: int, dist_port: int,
+                 unpin: bool = False) -> None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         import torch
@@ -82,9 +94,11 @@ class VllmSide:
         )
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
-        self._tmp = tempfile.TemporaryDirectory(prefix="aionixl-vllm-model-")
-        write_model_config(self._tmp.name, layers, kv_heads, head_dim)
-        model = ModelConfig(model=self._tmp.name, dtype=torch.bfloat16, skip_tokenizer_init=True)
+        # One folder per geometry, the same in every process: vLLM's compatibility hash covers
+        # the model's name (its path here), so a prefill and a decode must name the same one.
+        folder = Path(tempfile.gettempdir()) / f"aionixl-vllm-tiny-llama-{layers}x{kv_heads}x{head_dim}"
+        write_model_config(str(folder), layers, kv_heads, head_dim)
+        model = ModelConfig(model=str(folder), dtype=torch.bfloat16, skip_tokenizer_init=True)
         cache = CacheConfig(block_size=block_size)
         cache.kv_cache_layout = "LBHNC"
         kv = KVTransferConfig(kv_connector="NixlConnector",
@@ -98,6 +112,7 @@ class VllmSide:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
         ensure_model_parallel_initialized(1, 1)
+        self._unpin = unpin
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim,
                                  dtype=torch.bfloat16)
@@ -111,16 +126,39 @@ class VllmSide:
         self.raw = torch.zeros(self.page_bytes * blocks * layers, dtype=torch.int8)
         #: [layer, block, word]: LBHNC puts each layer's blocks one after another.
         self.words = self.raw.numpy().view(np.uint64).reshape(layers, blocks, self.page_bytes // 8)
-        views = create_kv_cache_views(self.raw, spec, blocks, KVCacheLayout.LBHNC, tensor)
-        self.worker = NixlConnector(self.config, KVConnectorRole.WORKER, kv_config)
-        self.worker.register_kv_caches(dict(zip(self.layer_names, views, strict=True)))
+        self._views = create_kv_cache_views(self.raw, spec, blocks, KVCacheLayout.LBHNC, tensor)
+        self._kv_config = kv_config
+        self._connector_cls, self._roles = NixlConnector, KVConnectorRole
+        #: OS threads of this process before any connector exists (vLLM, torch, gloo are up).
+        self.threads_base = thread_count()
+        self.worker = self.new_worker()
         self.handshake = self.worker.get_handshake_metadata()
         self.scheduler: Any = None
         if role == "prefill":
             self.fill()
-            self.scheduler = NixlConnector(self.config, KVConnectorRole.SCHEDULER, kv_config)
-            self.scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): self.handshake})
+            self.scheduler = self.new_listener(self.worker, port)
         self.address = f"tcp://127.0.0.1:{port}"
+
+    def new_worker(self) -> Any:
+        """A WORKER-role connector (its own NIXL agent) that registers this cache."""
+        worker = self._connector_cls(self.config, self._roles.WORKER, self._kv_config)
+        #: On CPU, vLLM's connector worker pins the thread that creates it (the engine loop's,
+        #: which calls start_load_kv) to the last core of each NUMA node.
+        self.affinity = sorted(os.sched_getaffinity(0))
+        worker.register_kv_caches(dict(zip(self.layer_names, self._views, strict=True)))
+        if self._unpin:  # the bench: every thread of this process may run on any CPU again
+            every = range(os.cpu_count() or 1)
+            for tid in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), every)
+        return worker
+
+    def new_listener(self, worker: Any, port: int) -> Any:
+        """A SCHEDULER-role connector serving ``worker``'s metadata on vLLM's side channel."""
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+        scheduler = self._connector_cls(self.config, self._roles.SCHEDULER, self._kv_config)
+        scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+        return scheduler
 
     def fill(self) -> None:
         ids = np.arange(self.blocks, dtype=np.int64)
@@ -136,7 +174,7 @@ class VllmSide:
 class PrefillLoop:
     """vLLM's engine loop, reduced to what the connector sees: metadata in, get_finished out."""
 
-    def __init__(self, side: VllmSide, emit: Any) -> None:
+    def __init__(self, side: VllmSide, emit: Any, quiet: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
 
         self._meta_cls = NixlConnectorMetadata
@@ -147,6 +185,8 @@ class PrefillLoop:
         self._inner = worker
         self.deadlines: dict[str, float] = {}
         self._expired: set[str] = set()
+        self.quiet = quiet
+        self.freed = 0  # requests whose blocks get_finished reported free
         # Observe, not change: wrap the NIXL notification read and the lease reaper so the
         # harness can say what vLLM saw and why it freed blocks.
         wrapper = worker.nixl_wrapper
@@ -155,6 +195,8 @@ class PrefillLoop:
 
         def get_new_notifs() -> Any:
             notifs = original_get()
+            if quiet:
+                return notifs
             for agent, messages in notifs.items():
                 for m in messages:
                     self.emit({"event": "notif", "from": agent, "msg": m.decode("utf-8", "replace")})
@@ -183,6 +225,9 @@ class PrefillLoop:
         self.side.worker.clear_connector_metadata()
         self._expired = set()
         sending, _ = self.side.worker.get_finished(set())
+        self.freed += len(sending)
+        if self.quiet:
+            return
         for req in sorted(sending):
             reason = "expired" if req in self._expired else "notified"
             self.emit({"event": "freed", "req": req, "reason": reason})
@@ -211,6 +256,10 @@ def main() -> None:
     p.add_argument("--lease-s", type=int, default=30, help="vLLM kv_lease_duration")
     p.add_argument("--step-ms", type=float, default=1.0, help="engine step: get_finished period")
     p.add_argument("--engine-id", default=f"vllm-prefill-{os.getpid()}")
+    p.add_argument("--unpin", action="store_true",
+                   help="let every thread run on any CPU again after vLLM's connector pinned it")
+    p.add_argument("--quiet", action="store_true",
+                   help="no notif/lease/freed events (the bench: thousands of reads)")
     args = p.parse_args()
     out = os.fdopen(args.fd, "w")
 
@@ -219,12 +268,13 @@ def main() -> None:
         out.flush()
 
     side = VllmSide("prefill", args.engine_id, args.port, args.layers, args.blocks, args.block_size,
-                    args.kv_heads, args.head_dim, args.lease_s, args.dist_port)
-    loop = PrefillLoop(side, emit)
+                    args.kv_heads, args.head_dim, args.lease_s, args.dist_port, unpin=args.unpin)
+    loop = PrefillLoop(side, emit, quiet=args.quiet)
     emit({"ready": {"pid": os.getpid(), "address": side.address, "engine_id": args.engine_id,
                     "compat_hash": side.handshake.compatibility_hash, "layers": side.layers,
                     "blocks": side.blocks, "page_bytes": side.page_bytes,
-                    "threads": len(os.listdir("/proc/self/task"))}})
+                    "threads": thread_count(),
+                    "vllm_affinity": side.affinity, "affinity": sorted(os.sched_getaffinity(0))}})
     fd = sys.stdin.fileno()
     buf = b""
     try:
@@ -242,6 +292,11 @@ def main() -> None:
                         loop.hold(cmd["req"], float(cmd["lease_s"]))
                         loop.step()
                         emit({"held": cmd["req"]})
+                    elif cmd["op"] == "hold_many":  # the bench: one step holds them all
+                        for req in cmd["reqs"]:
+                            loop.hold(req, float(cmd["lease_s"]))
+                        loop.step()
+                        emit({"held_many": len(cmd["reqs"]), "freed_so_far": loop.freed})
             loop.step()
     finally:
         side.shutdown()

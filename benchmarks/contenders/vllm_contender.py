@@ -1,0 +1,196 @@
+"""vLLM's real NixlConnector as a contender of ``aionixl bench --with-vllm``.
+
+Two child processes under this interpreter (which must have vLLM): a vLLM prefill worker
+(``vllm_worker.py --quiet``: vLLM's connector pair over a patterned KV cache, its engine loop
+stepping every 1 ms) and a vLLM decode worker (``vllm_decode.py``: vLLM's connector in the
+pull role, driven as vLLM's scheduler and engine loop would drive it). This module steers
+them and turns their answers into the bench's samples.
+
+Geometry: the vLLM model is chosen so that its KV cache has the bench's shape: one NIXL
+region per vLLM layer (layout LBHNC: K and V of a block share one page), as many layers as
+the bench has regions, a page of ``--block-bytes`` (32 tokens x KV heads x head dim 64 x K/V
+x bf16), ``--blocks`` blocks. Block id b is block b of every region on both sides, as in the
+aionixl contenders. Every read carries vLLM's notification for a request the prefill holds
+(``hold_many`` before each loop), so the prefill frees blocks as it would in service.
+Loaded by ``aionixl bench``; ``run(ctx)`` returns samples per measure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Child:
+    """A vLLM worker process: JSON lines in on stdin, JSON lines out on a pipe of its own
+    (its stdout and stderr, vLLM's and NIXL's logs, go to a file)."""
+
+    def __init__(self, script: str, args: list[str], log: Any) -> None:
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, str(HERE / script), "--fd", str(write_fd), *args],
+                                         stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                         pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        self.name = script
+        self._fd = read_fd
+        self._buf = b""
+
+    def line(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"{self.name} did not answer within {timeout:.0f} s")
+            ready, _, _ = select.select([self._fd], [], [], left)
+            if ready:
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"{self.name} exited (code {self.proc.wait()})")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        msg: dict[str, Any] = json.loads(line)
+        if msg.get("error"):
+            raise RuntimeError(f"{self.name}: {msg['error']}")
+        return msg
+
+    def ask(self, cmd: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self.line(timeout)
+
+    def stop(self) -> int | None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            code = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        os.close(self._fd)
+        return code
+
+
+def _lists(pairs: list[tuple[Any, Any]]) -> list[list[list[int]]]:
+    return [[[int(x) for x in loc], [int(x) for x in rem]] for loc, rem in pairs]
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    spec = ctx.spec
+    out: dict[str, Any] = {}
+    geometry = ["--unpin", "--layers", str(spec.regions), "--blocks", str(spec.blocks),
+                "--block-size", str(spec.vllm_block_tokens), "--kv-heads", str(spec.vllm_kv_heads),
+                "--head-dim", str(spec.vllm_head_dim)]
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"aionixl-bench-vllm-{os.getpid()}.log"
+    ctx.rest()  # the aionixl prefill side is not involved: leave the CPUs to the vLLM processes
+    ctx.progress(f"vLLM connector: starting a vLLM prefill and a vLLM decode worker (log: {log_path})")
+    with open(log_path, "ab") as log:
+        prefill = Child("vllm_worker.py", ["--quiet", "--port", str(free_port()), "--dist-port",
+                                           str(free_port()), "--lease-s", "600", *geometry], log)
+        decode = Child("vllm_decode.py", ["--port", str(free_port()), "--dist-port", str(free_port()),
+                                          *geometry], log)
+        try:
+            p_ready = prefill.line(300)["ready"]
+            d_ready = decode.line(300)["ready"]
+            if p_ready["page_bytes"] != spec.block_bytes or d_ready["page_bytes"] != spec.block_bytes:
+                raise RuntimeError(f"vLLM pages of {p_ready['page_bytes']} bytes, not {spec.block_bytes}")
+            out.update(_measure(ctx, prefill, decode, p_ready))
+            out["info"].update(prefill_ready=p_ready, decode_ready=d_ready, log=str(log_path))
+        finally:
+            codes = {"decode": decode.stop(), "prefill": prefill.stop()}
+            ctx.spin()
+    if any(codes.values()):
+        raise RuntimeError(f"a vLLM worker exited with {codes}; see {log_path}")
+    return out
+
+
+def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -> dict[str, Any]:
+    spec = ctx.spec
+    out: dict[str, Any] = {}
+    names = itertools.count()
+
+    def held(n: int) -> list[str]:
+        """``n`` fresh request ids, each held by the prefill (its blocks wait for a decoder)."""
+        reqs = [f"bench-{next(names)}" for _ in range(n)]
+        prefill.ask({"op": "hold_many", "reqs": reqs, "lease_s": 600})
+        return reqs
+
+    def verify(when: str) -> None:
+        loc, rem = ctx.verify_set
+        ok = decode.ask({"op": "verify", "req": held(1)[0], "local": [int(x) for x in loc],
+                         "remote": [int(x) for x in rem]})["ok"]
+        if not ok:
+            raise RuntimeError(f"vLLM connector ({when}): the bytes read do not match the prefill pattern")
+
+    host, port = p_ready["address"].removeprefix("tcp://").rsplit(":", 1)
+    ctx.progress("vLLM connector: handshakes (vLLM's handshake thread; the engine dropped between)")
+    connect = decode.ask({"op": "connect", "engine_id": p_ready["engine_id"], "host": host,
+                          "port": int(port), "reqs": held(spec.connect_count + 1)})
+    out["connect"] = connect["connect"][1:]  # the first one also wires UCX up: reconnects only
+    verify("start")
+
+    one = _lists(ctx.workload("contiguous", 1))
+    per_repeat = []
+    for i in range(spec.repeats):
+        ctx.progress(f"vLLM connector: one-block reads, start_load_kv to get_finished "
+                     f"({i + 1}/{spec.repeats})")
+        per_repeat.append(decode.ask({"op": "reads", "pairs": one, "reqs": held(spec.lat_count)})["seconds"])
+    out.update(ctx.latency_rows(per_repeat))
+    out["seq_1"] = [sum(r) / len(r) for r in per_repeat]
+    bulk = _lists(ctx.workload("contiguous", spec.bulk_blocks))
+    nbytes = spec.bulk_blocks * spec.bytes_per_block_id
+    bulk_s = []
+    for i in range(spec.repeats):
+        ctx.progress(f"vLLM connector: 16 MiB reads ({i + 1}/{spec.repeats})")
+        seconds = decode.ask({"op": "reads", "pairs": bulk, "reqs": held(spec.bulk_count)})["seconds"]
+        bulk_s.append(nbytes / (sum(seconds) / len(seconds)))
+    out["bulk"] = bulk_s
+    verify("after the timed loops")
+
+    ctx.progress("vLLM connector: idle CPU (decode process, engine loop blocked)")
+    out["idle_cpu"] = decode.ask({"op": "idle", "settle_s": spec.idle_settle_s,
+                                  "windows": spec.idle_windows, "window_s": spec.idle_window_s})["idle_cpu"]
+    verify("after idling")
+
+    closes, opened, after, details = [], [], [], []
+    for i in range(spec.close_repeats):
+        ctx.progress(f"vLLM connector: close with 1 peer and {spec.close_inflight} reads in flight over "
+                     f"UCX tcp ({i + 1}/{spec.close_repeats})")
+        r = decode.ask({"op": "close", "ucx_tls": spec.slow_tls, "listen_port": free_port(),
+                        "inflight": spec.close_inflight, "blocks": spec.close_blocks,
+                        "reqs": held(spec.close_inflight + 1)})
+        closes.append(r["worker_s"] + r["listener_s"])
+        opened.append(float(r["threads_open"] - r["threads_base"]))
+        after.append(float(r["threads_after"] - r["threads_base"]))
+        details.append(r)
+    out.update(close_1=closes, threads_open=opened, threads_closed=after)
+    verify("after the close runs")
+    out["info"] = {"verified": True, "close": details, "close_transport": spec.slow_tls,
+                   "first_handshake_s": connect["connect"][0],
+                   "geometry": {"layers (regions)": spec.regions, "block_tokens": spec.vllm_block_tokens,
+                                "kv_heads": spec.vllm_kv_heads, "head_dim": spec.vllm_head_dim,
+                                "page_bytes": spec.block_bytes, "blocks": spec.blocks,
+                                "kv_cache_layout": "LBHNC"},
+                   "completion": "get_transfer_results (what get_finished wraps) called in a loop "
+                                 "right after start_load_kv: no forward pass between"}
+    return out

@@ -1,0 +1,251 @@
+"""A real vLLM NixlConnector decode worker (pull role: READ), for ``aionixl bench --with-vllm``.
+
+Runs under a venv with vLLM (``./run vllm-setup``), beside a prefill worker
+(``vllm_worker.py``). It builds what a vLLM decode instance would (``VllmSide`` in the
+consumer role: a WORKER-role connector that registers the KV cache, and a SCHEDULER-role
+connector whose side-channel listener serves this worker's metadata) and then plays vLLM's
+engine loop, as the bench asks:
+
+- a read is what vLLM's scheduler hands its workers: ``NixlConnectorMetadata`` with one
+  ``reqs_to_recv`` entry built by ``add_new_req_to_recv`` from the prefill's
+  ``kv_transfer_params`` (remote engine id, host, port, block ids, request id);
+  ``bind_connector_metadata`` + ``start_load_kv`` post it, and ``get_transfer_results``
+  (what ``get_finished`` wraps) is called in a loop until it reports the request: no
+  forward pass between the calls, so this is the connector's own floor;
+- the handshake is vLLM's own: the first read for an unknown engine starts it on the
+  connector's handshake thread, and the read is posted by the next ``start_load_kv`` after
+  it finished. To handshake again, the engine is dropped the way vLLM's TTL eviction does
+  it (``_cleanup_remote_engine``).
+
+Protocol: a JSON ``ready`` line on ``--fd``; then one JSON command per line on stdin, each
+answered by one JSON line on ``--fd`` (``{"error": ...}`` when it failed). End of stdin
+shuts the connectors down and exits. Bytes are checked against the prefill's pattern
+(``expected_words``) by the ``verify`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+from vllm_worker import VllmSide, thread_count
+
+from aionixl._bench._memory import expected_words
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Decode:
+    """The engine loop of a vLLM decode instance, reduced to what its connector sees."""
+
+    def __init__(self, side: VllmSide, listen_port: int) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+
+        self.side = side
+        self._meta_cls = NixlConnectorMetadata
+        self.worker = side.worker
+        self.listener = side.new_listener(self.worker, listen_port)
+        self.remote: dict[str, Any] = {}
+
+    def _inner(self, worker: Any | None = None) -> Any:
+        return (worker or self.worker).connector_worker
+
+    # ---- one request, as the scheduler would hand it over ----------------------------------
+
+    def post(self, worker: Any, req: str, local: list[int], remote: list[int]) -> None:
+        meta = self._meta_cls()
+        params = {"remote_block_ids": (list(remote),), "remote_engine_id": self.remote["engine_id"],
+                  "remote_request_id": req, "remote_host": self.remote["host"],
+                  "remote_port": self.remote["port"], "tp_size": 1}
+        meta.add_new_req_to_recv(request_id=f"d-{req}", local_block_ids=(list(local),),
+                                 kv_transfer_params=params, awaiting_kvs=True)
+        self._step(worker, meta)
+
+    def _step(self, worker: Any, meta: Any | None = None) -> None:
+        worker.bind_connector_metadata(meta if meta is not None else self._meta_cls())
+        worker.start_load_kv(None)
+        worker.clear_connector_metadata()
+
+    def until_done(self, worker: Any, reqs: set[str], limit_s: float = 60.0) -> None:
+        """Engine steps (start_load_kv, then get_finished) until every request is reported."""
+        want = {f"d-{r}" for r in reqs}
+        deadline = time.perf_counter() + limit_s
+        while want:
+            results = worker.get_transfer_results(set())
+            if results.failed_recving & want:
+                raise RuntimeError(f"vLLM reported failed reads: {sorted(results.failed_recving)[:4]}")
+            want -= results.finished_recving
+            if not want:
+                return
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"{len(want)} vLLM reads did not finish within {limit_s} s")
+            self._step(worker)  # posts reads whose handshake has finished meanwhile
+
+    def read(self, req: str, local: list[int], remote: list[int]) -> float:
+        t = time.perf_counter()
+        self.post(self.worker, req, local, remote)
+        self.until_done(self.worker, {req})
+        return time.perf_counter() - t
+
+    # ---- commands ----------------------------------------------------------------------
+
+    def handshake(self, worker: Any, req: str) -> float:
+        """Seconds from a read to an unknown engine until the connector holds that engine."""
+        engine = self.remote["engine_id"]
+        inner = self._inner(worker)
+        t = time.perf_counter()
+        self.post(worker, req, [0], [0])
+        while True:
+            with inner._handshake_lock:
+                if engine in inner._remote_agents:
+                    break
+                if engine not in inner._handshake_futures:
+                    raise RuntimeError("the vLLM handshake failed (the reason is in the vLLM log)")
+            if time.perf_counter() - t > 30:
+                raise RuntimeError("the vLLM handshake did not finish within 30 s")
+            time.sleep(20e-6)  # the handshake runs on the connector's thread
+        seconds = time.perf_counter() - t
+        self.until_done(worker, {req})
+        return seconds
+
+    def forget(self, worker: Any) -> None:
+        inner = self._inner(worker)
+        engine = self.remote["engine_id"]
+        if engine in inner._remote_agents:
+            inner._cleanup_remote_engine(engine, log_eviction=False)
+
+    def cmd_connect(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.remote = {"engine_id": cmd["engine_id"], "host": cmd["host"], "port": int(cmd["port"])}
+        times = []
+        for i, req in enumerate(cmd["reqs"]):
+            if i:
+                self.forget(self.worker)
+            times.append(self.handshake(self.worker, req))
+        return {"connect": times, "threads": thread_count()}
+
+    def cmd_reads(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        pairs = cmd["pairs"]
+        times = [self.read(req, *pairs[i % len(pairs)]) for i, req in enumerate(cmd["reqs"])]
+        return {"seconds": times}
+
+    def cmd_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        local = np.asarray(cmd["local"], dtype=np.int64)
+        remote = np.asarray(cmd["remote"], dtype=np.int64)
+        words = self.side.words
+        words[:, local] = 0
+        self.read(cmd["req"], [int(x) for x in local], [int(x) for x in remote])
+        ok = all(np.array_equal(words[layer, local], expected_words(layer, remote, words.shape[2]))
+                 for layer in range(words.shape[0]))
+        return {"ok": ok}
+
+    def cmd_idle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """CPU of this whole process while the engine loop is blocked, as an idle engine's is."""
+        time.sleep(float(cmd["settle_s"]))
+        out = []
+        for _ in range(int(cmd["windows"])):
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            time.sleep(float(cmd["window_s"]))
+            out.append((cpu_seconds() - c0) / (time.perf_counter() - t0))
+        return {"idle_cpu": out}
+
+    def cmd_close(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A fresh connector pair over UCX tcp: handshake, ``inflight`` reads of ``blocks``
+        blocks posted, then shutdown (worker, then the listener), timed."""
+        base = thread_count()
+        old = os.environ.get("UCX_TLS")
+        os.environ["UCX_TLS"] = cmd["ucx_tls"]
+        try:
+            worker = self.side.new_worker()
+        finally:
+            if old is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = old
+        listener = self.side.new_listener(worker, int(cmd["listen_port"]))
+        reqs = list(cmd["reqs"])
+        self.handshake(worker, reqs.pop())
+        open_threads = thread_count()
+        n, blocks = int(cmd["inflight"]), int(cmd["blocks"])
+        total = self.side.blocks
+        for i in range(n):
+            first = (i * blocks) % (total - blocks + 1)
+            ids = list(range(first, first + blocks))
+            self.post(worker, reqs[i], ids, ids)
+        inner = self._inner(worker)
+        in_flight = sum(1 for handles in inner._recving_transfers.values() for h in handles
+                        if inner.nixl_wrapper.check_xfer_state(h) == "PROC")
+        error = None
+        t = time.perf_counter()
+        try:
+            worker.shutdown()
+        except Exception as exc:  # what vLLM's shutdown does with reads in flight
+            error = f"{type(exc).__name__}: {exc}"
+        t_worker = time.perf_counter()
+        listener.shutdown()
+        t_end = time.perf_counter()
+        after = thread_count()
+        del worker, listener, inner
+        gc.collect()
+        return {"worker_s": t_worker - t, "listener_s": t_end - t_worker, "in_flight": in_flight,
+                "threads_base": base, "threads_open": open_threads, "threads_after": after,
+                "threads_after_gc": thread_count(), "shutdown_error": error}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="this decode's vLLM side-channel port")
+    p.add_argument("--dist-port", type=int, required=True, help="gloo rendezvous port")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block")
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--engine-id", default=f"vllm-decode-{os.getpid()}")
+    p.add_argument("--unpin", action="store_true",
+                   help="let every thread run on any CPU again after vLLM's connector pinned it")
+    args = p.parse_args()
+    out = os.fdopen(args.fd, "w")
+
+    def emit(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    side = VllmSide("decode", args.engine_id, args.port, args.layers, args.blocks, args.block_size,
+                    args.kv_heads, args.head_dim, 30, args.dist_port, unpin=args.unpin)
+    decode = Decode(side, args.port)
+    emit({"ready": {"pid": os.getpid(), "page_bytes": side.page_bytes, "layers": side.layers,
+                    "blocks": side.blocks, "threads_base": side.threads_base,
+                    "threads_open": thread_count(), "vllm_affinity": side.affinity,
+                    "affinity": sorted(os.sched_getaffinity(0))}})
+    handlers = {"connect": decode.cmd_connect, "reads": decode.cmd_reads, "verify": decode.cmd_verify,
+                "idle": decode.cmd_idle, "close": decode.cmd_close}
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            try:
+                emit(handlers[cmd["op"]](cmd))
+            except Exception as exc:
+                traceback.print_exc()
+                emit({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        decode.listener.shutdown()
+        side.shutdown()
+
+
+if __name__ == "__main__":
+    main()
