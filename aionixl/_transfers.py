@@ -20,6 +20,7 @@ import anyio.lowlevel
 
 from ._config import EngineConfig
 from ._errors import AionixlError, PeerDisconnectedError, TransferError, TransferTimeoutError
+from ._metrics import TransferMetrics
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
 from ._peers import Peer, PeerTable, progress_quietly, user_message
 from ._regions import (
@@ -46,6 +47,13 @@ class TransferResult(NamedTuple):
     blocks: int
     nbytes: int
     seconds: float
+    #: Creating and posting the NIXL request (NIXL's telemetry with ``nixl_telemetry``).
+    post_seconds: float = 0.0
+    #: From the post until completion was seen (NIXL's telemetry with ``nixl_telemetry``).
+    transfer_seconds: float = 0.0
+    #: NIXL descriptors (after NIXL merged contiguous ones, with ``nixl_telemetry``;
+    #: blocks x regions otherwise).
+    descriptors: int = 0
 
 
 class _InFlight:
@@ -73,8 +81,6 @@ _SLICE_SHORT = 0.0001
 _CROWDED = 0.0002
 
 _ONE_BLOCK_CACHE = 4096
-#: Builds a TransferResult without NamedTuple.__new__'s argument handling (half its cost).
-_new_tuple = tuple.__new__
 
 
 class Transfers:
@@ -101,6 +107,7 @@ class Transfers:
         #: Benchmarks set a list here to collect, per transfer finished by the poller, the
         #: nanoseconds from the poller seeing its final state to the caller running again.
         self.wake_trace: list[int] | None = None
+        self.metrics = TransferMetrics(TransferResult, self._bytes_per_block, len(regions), peers.noisy)
 
     # ---- the call -----------------------------------------------------------------------
 
@@ -147,18 +154,27 @@ class Transfers:
             handle, status = agent.start_xfer(op, self.local_dlist, local_idx, peer._dlist,
                                               remote_idx, message, self._inline_polls)
         except PeerDisconnectedError as exc:
-            raise self._peers.evict(peer, exc) from exc
+            raise self.metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
+        except AionixlError as exc:
+            self.metrics.failed(exc, peer, op, nblocks, started)
+            raise
+        posted, tel = agent.posted, agent.telemetry
         if status is not DONE or handle != NO_HANDLE:
             limit = self._config.transfer_timeout if timeout is None else timeout
-            await self._finish(peer, handle, status, limit)
-            now = self._last_yield = time.perf_counter()
+            try:
+                await self._finish(peer, handle, status, limit)
+            except BaseException as exc:
+                self.metrics.failed(exc, peer, op, nblocks, started)
+                raise
+            tel = agent.telemetry
+            seen = now = self._last_yield = time.perf_counter()
         else:
             # Finished inline, without a trip through the event loop. A caller looping on
             # short transfers must still let other tasks run (and be cancellable): yield
             # once the engine has gone one slice without doing so. The slice adapts: long
             # while yielding finds the loop idle (a lone caller pays little), short once
             # other tasks were waiting (64 busy callers each get a short turn, not 2 ms).
-            now = time.perf_counter()
+            seen = now = time.perf_counter()
             if now - self._last_yield > self._slice:
                 # Shielded: the transfer is done; a cancel must not turn it into a failure
                 # (a caller that retried would write, and notify, twice).
@@ -166,7 +182,7 @@ class Transfers:
                 after = time.perf_counter()
                 self._slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
                 now = self._last_yield = after
-        return _new_tuple(TransferResult, (nblocks, nblocks * self._bytes_per_block, now - started))
+        return self.metrics.done(op, nblocks, started, posted, seen, now, tel)
 
     def _checked_indices(self, peer: Peer, local_blocks: object, remote_blocks: object,
                          op: Op) -> tuple[int, IndexArray, IndexArray]:
@@ -196,6 +212,7 @@ class Transfers:
                 self.inflight[handle] = rec
                 self._poller_wakeup.set()
                 status = await self._wait(rec, limit)
+                agent.completed(handle, status)
                 if self.wake_trace is not None:
                     self.wake_trace.append(time.perf_counter_ns() - rec.finished_ns)
             if status != DONE:
