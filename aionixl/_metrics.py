@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
+from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
+import numpy as np
 
 from ._errors import EngineClosedError, PeerDisconnectedError, TransferError, TransferTimeoutError
 from ._ratelimit import RateLimitedLog
@@ -37,6 +38,9 @@ LATENCY_BOUNDS: tuple[float, ...] = (
     0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 _BUCKETS = len(LATENCY_BOUNDS) + 1
+_BOUNDS_ARRAY = np.array(LATENCY_BOUNDS)
+#: Finished transfers recorded before they are folded into the histograms.
+_RING = 1024
 _TIMEOUT, _CANCELLED, _DISCONNECTED, _ERROR, _CLOSED = 1, 2, 3, 4, 5
 _LOUD = {_TIMEOUT: logging.WARNING, _DISCONNECTED: logging.WARNING, _ERROR: logging.WARNING,
          _CANCELLED: logging.INFO, _CLOSED: logging.INFO}
@@ -48,9 +52,15 @@ _perf = time.perf_counter
 
 
 class TransferMetrics(Generic[Result]):
-    """Per-op counters and histograms of one engine's transfers (index 0 read, 1 write)."""
+    """Per-op counters and histograms of one engine's transfers (index 0 read, 1 write).
+
+    A finished transfer costs three stores into preallocated arrays (its seconds, its post
+    seconds, its signed block count); every :data:`_RING` transfers, and before a snapshot,
+    :meth:`flush` folds them into the counters with numpy. Failures are counted directly.
+    """
 
     __slots__ = ("outcomes", "bytes", "seconds", "seconds_sum", "post", "post_sum",
+                 "_n", "_ring_seconds", "_ring_post", "_ring_blocks",
                  "_result", "_bytes_per_block", "_regions", "_noisy")
 
     def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
@@ -61,6 +71,10 @@ class TransferMetrics(Generic[Result]):
         self.seconds_sum = [0.0, 0.0]
         self.post = [[0] * _BUCKETS for _ in OPS]  # creating and posting the NIXL request
         self.post_sum = [0.0, 0.0]
+        self._n = 0
+        self._ring_seconds = array("d", bytes(8 * _RING))
+        self._ring_post = array("d", bytes(8 * _RING))
+        self._ring_blocks = array("q", bytes(8 * _RING))  # negative: a write
         self._result = result
         self._bytes_per_block = bytes_per_block
         self._regions = regions
@@ -75,20 +89,44 @@ class TransferMetrics(Generic[Result]):
         ``telemetry`` (NIXL's post time, transfer time, descriptor count) replaces the
         engine's own clock where the agent captures it.
         """
-        w = op == "write"
-        nbytes = nblocks * self._bytes_per_block
         seconds = now - started
         if telemetry is None:
             post, xfer, descs = posted - started, seen - started, nblocks * self._regions
         else:
             post, xfer, descs = telemetry
-        self.outcomes[w][0] += 1
-        self.bytes[w] += nbytes
-        self.seconds[w][bisect_left(LATENCY_BOUNDS, seconds)] += 1
-        self.seconds_sum[w] += seconds
-        self.post[w][bisect_left(LATENCY_BOUNDS, post)] += 1
-        self.post_sum[w] += post
-        return _new_tuple(self._result, (nblocks, nbytes, seconds, post, xfer, descs))
+        i = self._n
+        self._ring_seconds[i] = seconds
+        self._ring_post[i] = post
+        self._ring_blocks[i] = -nblocks if op == "write" else nblocks
+        i += 1
+        self._n = i
+        if i == _RING:
+            self.flush()
+        return _new_tuple(self._result,
+                          (nblocks, nblocks * self._bytes_per_block, seconds, post, xfer, descs))
+
+    def flush(self) -> None:
+        """Fold the recorded transfers into the counters and histograms."""
+        n, self._n = self._n, 0
+        if not n:
+            return
+        blocks = np.frombuffer(self._ring_blocks, np.int64, n)
+        seconds = np.frombuffer(self._ring_seconds, np.float64, n)
+        post = np.frombuffer(self._ring_post, np.float64, n)
+        for w, mine in enumerate((blocks > 0, blocks < 0)):
+            count = int(np.count_nonzero(mine))
+            if not count:
+                continue
+            self.outcomes[w][0] += count
+            self.bytes[w] += int(np.abs(blocks[mine]).sum()) * self._bytes_per_block
+            for hist, sums, values in ((self.seconds[w], self.seconds_sum, seconds[mine]),
+                                       (self.post[w], self.post_sum, post[mine])):
+                # side="left": a value equal to a bound counts in that bound's bucket (le).
+                found = np.bincount(np.searchsorted(_BOUNDS_ARRAY, values, side="left"),
+                                    minlength=_BUCKETS)
+                for b in np.flatnonzero(found).tolist():
+                    hist[b] += int(found[b])
+                sums[w] += float(values.sum())
 
     def failed(self, exc: Exc, peer: Any, op: str, nblocks: int, started: float) -> Exc:
         """Count a transfer that ended with ``exc`` and log it (rate-limited, structured)."""
@@ -202,6 +240,7 @@ def snapshot(engine: Engine) -> EngineMetrics:
     """Copy an engine's counters into an :class:`EngineMetrics` (any state, even closed)."""
     transfers = engine._transfers
     m = transfers.metrics
+    m.flush()
     peers = engine._peers
     mailbox = engine._mailbox
     return EngineMetrics(
