@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -41,6 +40,7 @@ _BUCKETS = len(LATENCY_BOUNDS) + 1
 _BOUNDS_ARRAY = np.array(LATENCY_BOUNDS)
 #: Finished transfers recorded before they are folded into the histograms.
 _RING = 1024
+_WRITE = "write"
 _TIMEOUT, _CANCELLED, _DISCONNECTED, _ERROR, _CLOSED = 1, 2, 3, 4, 5
 _LOUD = {_TIMEOUT: logging.WARNING, _DISCONNECTED: logging.WARNING, _ERROR: logging.WARNING,
          _CANCELLED: logging.INFO, _CLOSED: logging.INFO}
@@ -54,13 +54,14 @@ _perf = time.perf_counter
 class TransferMetrics(Generic[Result]):
     """Per-op counters and histograms of one engine's transfers (index 0 read, 1 write).
 
-    A finished transfer costs three stores into preallocated arrays (its seconds, its post
-    seconds, its signed block count); every :data:`_RING` transfers, and before a snapshot,
-    :meth:`flush` folds them into the counters with numpy. Failures are counted directly.
+    A finished transfer costs four stores into preallocated lists (references to its op,
+    block count, seconds and post seconds, objects its TransferResult holds anyway); every
+    :data:`_RING` transfers, and before a snapshot, :meth:`flush` folds them into the
+    counters with numpy. Failures are counted directly.
     """
 
     __slots__ = ("outcomes", "bytes", "seconds", "seconds_sum", "post", "post_sum",
-                 "_n", "_ring_seconds", "_ring_post", "_ring_blocks",
+                 "_n", "_ring_op", "_ring_blocks", "_ring_seconds", "_ring_post",
                  "_result", "_bytes_per_block", "_regions", "_noisy")
 
     def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
@@ -72,9 +73,10 @@ class TransferMetrics(Generic[Result]):
         self.post = [[0] * _BUCKETS for _ in OPS]  # creating and posting the NIXL request
         self.post_sum = [0.0, 0.0]
         self._n = 0
-        self._ring_seconds = array("d", bytes(8 * _RING))
-        self._ring_post = array("d", bytes(8 * _RING))
-        self._ring_blocks = array("q", bytes(8 * _RING))  # negative: a write
+        self._ring_op: list[str] = ["read"] * _RING
+        self._ring_blocks = [0] * _RING
+        self._ring_seconds = [0.0] * _RING
+        self._ring_post = [0.0] * _RING
         self._result = result
         self._bytes_per_block = bytes_per_block
         self._regions = regions
@@ -95,9 +97,10 @@ class TransferMetrics(Generic[Result]):
         else:
             post, xfer, descs = telemetry
         i = self._n
+        self._ring_op[i] = op
+        self._ring_blocks[i] = nblocks
         self._ring_seconds[i] = seconds
         self._ring_post[i] = post
-        self._ring_blocks[i] = -nblocks if op == "write" else nblocks
         i += 1
         self._n = i
         if i == _RING:
@@ -110,15 +113,16 @@ class TransferMetrics(Generic[Result]):
         n, self._n = self._n, 0
         if not n:
             return
-        blocks = np.frombuffer(self._ring_blocks, np.int64, n)
-        seconds = np.frombuffer(self._ring_seconds, np.float64, n)
-        post = np.frombuffer(self._ring_post, np.float64, n)
-        for w, mine in enumerate((blocks > 0, blocks < 0)):
+        writes = np.fromiter(map(_WRITE.__eq__, self._ring_op), bool, n)
+        blocks = np.fromiter(self._ring_blocks, np.int64, n)
+        seconds = np.fromiter(self._ring_seconds, np.float64, n)
+        post = np.fromiter(self._ring_post, np.float64, n)
+        for w, mine in enumerate((~writes, writes)):
             count = int(np.count_nonzero(mine))
             if not count:
                 continue
             self.outcomes[w][0] += count
-            self.bytes[w] += int(np.abs(blocks[mine]).sum()) * self._bytes_per_block
+            self.bytes[w] += int(blocks[mine].sum()) * self._bytes_per_block
             for hist, sums, values in ((self.seconds[w], self.seconds_sum, seconds[mine]),
                                        (self.post[w], self.post_sum, post[mine])):
                 # side="left": a value equal to a bound counts in that bound's bucket (le).
