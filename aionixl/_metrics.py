@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 import numpy as np
+import numpy.typing as npt
 
 from ._errors import EngineClosedError, PeerDisconnectedError, TransferError, TransferTimeoutError
 from ._ratelimit import RateLimitedLog
@@ -39,8 +40,7 @@ LATENCY_BOUNDS: tuple[float, ...] = (
 _BUCKETS = len(LATENCY_BOUNDS) + 1
 _BOUNDS_ARRAY = np.array(LATENCY_BOUNDS)
 #: Finished transfers recorded before they are folded into the histograms.
-_RING = 1024
-_WRITE = "write"
+_RING = 4096
 _TIMEOUT, _CANCELLED, _DISCONNECTED, _ERROR, _CLOSED = 1, 2, 3, 4, 5
 _LOUD = {_TIMEOUT: logging.WARNING, _DISCONNECTED: logging.WARNING, _ERROR: logging.WARNING,
          _CANCELLED: logging.INFO, _CLOSED: logging.INFO}
@@ -54,15 +54,17 @@ _perf = time.perf_counter
 class TransferMetrics(Generic[Result]):
     """Per-op counters and histograms of one engine's transfers (index 0 read, 1 write).
 
-    A finished transfer costs four stores into preallocated lists (references to its op,
-    block count, seconds and post seconds, objects its TransferResult holds anyway); every
-    :data:`_RING` transfers, and before a snapshot, :meth:`flush` folds them into the
-    counters with numpy. Failures are counted directly.
+    ``done`` is the per-transfer hook: a closure (cell variables are cheaper to reach than
+    attributes) that builds the ``TransferResult`` and records its signed block count,
+    seconds and post seconds with three stores into preallocated lists (the two floats are
+    the result's own objects). Every :data:`_RING` transfers, and before a snapshot,
+    ``flush`` folds the records into the counters with numpy. Measured on the 2-core VM,
+    this cost about a third of bisecting into the histograms per transfer.
+    Failures are counted directly by :meth:`failed`.
     """
 
     __slots__ = ("outcomes", "bytes", "seconds", "seconds_sum", "post", "post_sum",
-                 "_n", "_ring_op", "_ring_blocks", "_ring_seconds", "_ring_post",
-                 "_result", "_bytes_per_block", "_regions", "_noisy")
+                 "done", "flush", "_bytes_per_block", "_noisy")
 
     def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
                  noisy: RateLimitedLog) -> None:
@@ -72,57 +74,64 @@ class TransferMetrics(Generic[Result]):
         self.seconds_sum = [0.0, 0.0]
         self.post = [[0] * _BUCKETS for _ in OPS]  # creating and posting the NIXL request
         self.post_sum = [0.0, 0.0]
-        self._n = 0
-        self._ring_op: list[str] = ["read"] * _RING
-        self._ring_blocks = [0] * _RING
-        self._ring_seconds = [0.0] * _RING
-        self._ring_post = [0.0] * _RING
-        self._result = result
         self._bytes_per_block = bytes_per_block
-        self._regions = regions
         self._noisy = noisy
+        self.done, self.flush = self._recorder(result, bytes_per_block, regions)
 
-    def done(self, op: str, nblocks: int, started: float, posted: float, seen: float, now: float,
-             telemetry: tuple[float, float, int] | None) -> Result:
-        """Count a finished transfer; returns its ``TransferResult``.
+    def _recorder(self, result: type[Result], bytes_per_block: int, regions: int
+                  ) -> tuple[Callable[[str, int, float, float, float, float,
+                                       tuple[float, float, int] | None], Result],
+                             Callable[[], None]]:
+        ring_blocks = [0] * _RING  # negative: a write
+        ring_seconds = [0.0] * _RING
+        ring_post = [0.0] * _RING
+        n = 0
 
-        Times are ``perf_counter()`` readings: the call's post began at ``started``, the post
-        returned at ``posted``, completion was seen at ``seen``, the call returns at ``now``.
-        ``telemetry`` (NIXL's post time, transfer time, descriptor count) replaces the
-        engine's own clock where the agent captures it.
-        """
-        seconds = now - started
-        if telemetry is None:
-            post, xfer, descs = posted - started, seen - started, nblocks * self._regions
-        else:
-            post, xfer, descs = telemetry
-        i = self._n
-        self._ring_op[i] = op
-        self._ring_blocks[i] = nblocks
-        self._ring_seconds[i] = seconds
-        self._ring_post[i] = post
-        i += 1
-        self._n = i
-        if i == _RING:
-            self.flush()
-        return _new_tuple(self._result,
-                          (nblocks, nblocks * self._bytes_per_block, seconds, post, xfer, descs))
+        def done(op: str, nblocks: int, started: float, posted: float, seen: float, now: float,
+                 telemetry: tuple[float, float, int] | None) -> Result:
+            """Count a finished transfer; returns its ``TransferResult``.
 
-    def flush(self) -> None:
-        """Fold the recorded transfers into the counters and histograms."""
-        n, self._n = self._n, 0
-        if not n:
-            return
-        writes = np.fromiter(map(_WRITE.__eq__, self._ring_op), bool, n)
-        blocks = np.fromiter(self._ring_blocks, np.int64, n)
-        seconds = np.fromiter(self._ring_seconds, np.float64, n)
-        post = np.fromiter(self._ring_post, np.float64, n)
-        for w, mine in enumerate((~writes, writes)):
+            Times are ``perf_counter()`` readings: the call's post began at ``started``, the
+            post returned at ``posted``, completion was seen at ``seen``, the call returns at
+            ``now``. ``telemetry`` (NIXL's post seconds, transfer seconds, descriptors)
+            replaces the engine's own clock where the agent captures it.
+            """
+            nonlocal n
+            seconds = now - started
+            if telemetry is None:
+                post = posted - started
+                res = _new_tuple(result, (nblocks, nblocks * bytes_per_block, seconds, post,
+                                          seen - started, nblocks * regions))
+            else:
+                post = telemetry[0]
+                res = _new_tuple(result, (nblocks, nblocks * bytes_per_block, seconds, *telemetry))
+            i = n
+            ring_blocks[i] = -nblocks if op == "write" else nblocks
+            ring_seconds[i] = seconds
+            ring_post[i] = post
+            n = i = i + 1
+            if i == _RING:
+                flush()
+            return res
+
+        def flush() -> None:
+            """Fold the recorded transfers into the counters and histograms."""
+            nonlocal n
+            k, n = n, 0
+            if k:
+                self._fold(np.array(ring_blocks[:k], np.int64), np.array(ring_seconds[:k], np.float64),
+                           np.array(ring_post[:k], np.float64))
+
+        return done, flush
+
+    def _fold(self, blocks: npt.NDArray[np.int64], seconds: npt.NDArray[np.float64],
+              post: npt.NDArray[np.float64]) -> None:
+        for w, mine in enumerate((blocks > 0, blocks < 0)):
             count = int(np.count_nonzero(mine))
             if not count:
                 continue
             self.outcomes[w][0] += count
-            self.bytes[w] += int(blocks[mine].sum()) * self._bytes_per_block
+            self.bytes[w] += int(np.abs(blocks[mine]).sum()) * self._bytes_per_block
             for hist, sums, values in ((self.seconds[w], self.seconds_sum, seconds[mine]),
                                        (self.post[w], self.post_sum, post[mine])):
                 # side="left": a value equal to a bound counts in that bound's bucket (le).
