@@ -30,6 +30,7 @@ from ._config import EngineConfig
 from ._drainer import NotificationDrainer
 from ._errors import AionixlError, EngineClosedError, HandshakeError, PeerDisconnectedError
 from ._handshake import Handshakes
+from ._metrics import EngineMetrics, snapshot
 from ._nixl import Agent
 from ._notifications import Mailbox, Notification
 from ._peers import Peer, PeerTable, user_message
@@ -147,6 +148,10 @@ class Engine:
             "merged_calls": self._transfers.merged_calls,
         }
 
+    def metrics(self) -> EngineMetrics:
+        """Counters, gauges and latency histograms, copied now (README "Metrics")."""
+        return snapshot(self)
+
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
@@ -249,7 +254,7 @@ class Engine:
 
     def _open_nixl(self) -> None:
         cfg = self._config
-        agent = self._agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread)
+        agent = self._agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread, cfg.nixl_telemetry)
         agent.register(registration_spans(self._regions), self._mem_type)
         self._peers.agent = self._transfers.agent = agent
         self._transfers.local_dlist = agent.prep_dlist(None, block_descriptors(self._regions),

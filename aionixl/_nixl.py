@@ -14,6 +14,7 @@ much as the transfer itself, and this class keeps its own account of every live 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any, Literal
@@ -47,6 +48,7 @@ _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
 )
 _CREATE_ERRORS: tuple[type[BaseException], ...] = (*_NIXL_ERRORS, RuntimeError)
 _DISCONNECT = _bind.nixlRemoteDisconnectError
+_perf = time.perf_counter
 
 Kind = Literal["transfer", "handshake", "setup"]
 
@@ -96,8 +98,10 @@ class Agent:
     call succeeded, so a failed release still shows as live.
     """
 
-    def __init__(self, name: str, backends: tuple[str, ...], progress_thread: bool) -> None:
-        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+    def __init__(self, name: str, backends: tuple[str, ...], progress_thread: bool,
+                 telemetry: bool = False) -> None:
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends),
+                                   capture_telemetry=telemetry)
         try:
             self._agent: Any = nixl_agent(name, config)
         except _CREATE_ERRORS as exc:
@@ -112,6 +116,12 @@ class Agent:
         self.dlists: set[int] = set()
         self.xfers: set[int] = set()
         self.remote_agents: set[str] = set()
+        #: perf_counter() when the last start_xfer's post returned.
+        self.posted = 0.0
+        #: With ``telemetry``: NIXL's (post seconds, transfer seconds, descriptors) of the
+        #: last transfer seen done (by start_xfer or :meth:`completed`); None without it.
+        self.telemetry: tuple[float, float, int] | None = None
+        self._capture = telemetry
 
     # ---- memory -------------------------------------------------------------------------
 
@@ -210,6 +220,7 @@ class Agent:
             raise translate(exc, "transfer", "creating a transfer") from exc
         try:
             status = raw.postXferReq(handle, b"")
+            self.posted = _perf()
             while status == _IN_PROG and polls:
                 status = raw.getXferStatus(handle)
                 polls -= 1
@@ -219,6 +230,8 @@ class Agent:
             self.release_xfer(handle)
             raise translate(exc, "transfer", "posting a transfer") from exc
         if status == _SUCCESS:
+            if self._capture:
+                self._read_telemetry(handle)
             try:
                 raw.releaseXferReq(handle)
             except _NIXL_ERRORS:
@@ -227,6 +240,18 @@ class Agent:
             return NO_HANDLE, DONE
         self.xfers.add(handle)
         return handle, PROC if status == _IN_PROG else ERR
+
+    def completed(self, handle: int, status: Status) -> None:
+        """A transfer finished through the poller: keep its telemetry before release."""
+        if self._capture and status == DONE:
+            self._read_telemetry(handle)
+
+    def _read_telemetry(self, handle: int) -> None:
+        try:
+            t = self._raw.getXferTelemetry(handle)
+            self.telemetry = (t.postDuration * 1e-6, t.xferDuration * 1e-6, int(t.descCount))
+        except _NIXL_ERRORS:
+            self.telemetry = None  # the engine's own clock stands in
 
     def check(self, handle: int) -> Status:
         """Progress NIXL and report the state; raises the mapped error on failure."""

@@ -43,6 +43,7 @@ class Mailbox:
         self._kept_by_message: dict[bytes, deque[int]] = {}
         self._waiters: dict[bytes, list[Waiter]] = {}
         self.dropped = 0
+        self.delivered = 0  # handed to a wait_notification caller
 
     @property
     def waiting(self) -> int:
@@ -60,6 +61,7 @@ class Mailbox:
 
     def redeliver(self, note: Notification) -> None:
         """A waiter got ``note`` but was cancelled before it could take it: pass it on."""
+        self.delivered -= 1  # that waiter never returned it
         if not self._give_to_waiter(note):
             self._keep(note, oldest=True)
 
@@ -71,6 +73,7 @@ class Mailbox:
         for seq in seqs:
             note = self._kept[seq]
             if peer is None or note.peer == peer:
+                self.delivered += 1
                 seqs.remove(seq)
                 if not seqs:
                     del self._kept_by_message[message]
@@ -103,6 +106,7 @@ class Mailbox:
                 if not waiters:
                     del self._waiters[note.message]
                 waiter.result = note
+                self.delivered += 1
                 waiter.event.set()
                 return True
         return False

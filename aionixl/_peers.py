@@ -21,6 +21,7 @@ import msgspec
 
 from . import _protocol as proto
 from ._errors import AionixlError, PeerDisconnectedError
+from ._metrics import EVICTION_CAUSES, eviction_cause
 from ._nixl import Agent, metadata_agent_name
 from ._ratelimit import RateLimitedLog
 from ._regions import Region, block_descriptors, region_offsets
@@ -133,7 +134,8 @@ class PeerTable:
         self.by_name: dict[str, Peer] = {}
         self.by_address: dict[str, Peer] = {}
         self.evicted = 0
-        self._noisy = noisy
+        self.evictions = dict.fromkeys(EVICTION_CAUSES, 0)  # by cause; sums to evicted
+        self.noisy = self._noisy = noisy
         self._on_admit = on_admit
 
     def __bool__(self) -> bool:
@@ -197,14 +199,20 @@ class PeerTable:
 
     # ---- losing peers -------------------------------------------------------------------
 
-    def evict(self, peer: Peer, cause: BaseException) -> PeerDisconnectedError:
-        """Forget a peer NIXL reported failing; returns the error its callers get."""
+    def evict(self, peer: Peer, cause: BaseException, why: str | None = None) -> PeerDisconnectedError:
+        """Forget a peer NIXL reported failing; returns the error its callers get.
+
+        ``why`` is the eviction cause counted in metrics (default: from ``cause``).
+        """
         error = PeerDisconnectedError(f"peer {peer.name!r} is unreachable and was evicted: {cause}")
         error.__cause__ = cause
         if peer._connected:
-            self._noisy.log(logging.WARNING, "evict", "evicting peer %r: %s", peer.name, cause)
+            why = why or eviction_cause(cause)
+            self._noisy.log(logging.WARNING, "evict", "evicting peer %r (%s): %s", peer.name, why, cause,
+                            extra={"peer": peer.name, "cause": why, "error": str(cause)})
             peer._lost = cause
             self.evicted += 1
+            self.evictions[why] += 1
             self.drop(peer, None, error)
         return error
 
@@ -258,7 +266,7 @@ class PeerTable:
             try:
                 agent.send_notif(peer.name, PROBE)
             except PeerDisconnectedError as exc:
-                self.evict(peer, exc)
+                self.evict(peer, exc, "probe")
             except AionixlError as exc:
                 self._noisy.log(logging.INFO, "probe", "probing peer %r: %s", peer.name, exc)
 

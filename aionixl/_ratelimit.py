@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 
 class RateLimitedLog:
@@ -19,8 +20,12 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def log(self, level: int, key: str, message: str, *args: object) -> bool:
-        """Log unless ``key`` logged within the interval; True when it was logged."""
+    def log(self, level: int, key: str, message: str, *args: object,
+            extra: Mapping[str, object] | None = None) -> bool:
+        """Log unless ``key`` logged within the interval; True when it was logged.
+
+        ``extra`` becomes attributes of the record (structured fields for log handlers).
+        """
         now = time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last < self._interval:
@@ -31,7 +36,7 @@ class RateLimitedLog:
         if held:
             message += " (%d similar message(s) suppressed in the last %.0f s)"
             args = (*args, held, now - last if last is not None else 0.0)
-        self._logger.log(level, message, *args)
+        self._logger.log(level, message, *args, extra=extra)
         return True
 
     def suppressed(self, key: str) -> int:

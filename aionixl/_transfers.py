@@ -36,6 +36,7 @@ from ._errors import (
     TransferError,
     TransferTimeoutError,
 )
+from ._metrics import TransferMetrics
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
 from ._peers import MULTI_NOTIFY, Peer, PeerTable, pack_notifications, progress_quietly, user_message
 from ._regions import (
@@ -62,6 +63,13 @@ class TransferResult(NamedTuple):
     blocks: int
     nbytes: int
     seconds: float
+    #: Creating and posting the NIXL request (NIXL's telemetry with ``nixl_telemetry``).
+    post_seconds: float = 0.0
+    #: From the post until completion was seen (NIXL's telemetry with ``nixl_telemetry``).
+    transfer_seconds: float = 0.0
+    #: NIXL descriptors (after NIXL merged contiguous ones, with ``nixl_telemetry``;
+    #: blocks x regions otherwise).
+    descriptors: int = 0
 
 
 class _InFlight:
@@ -102,7 +110,8 @@ class _Batch(_InFlight):
     blocks, notification) so that one that leaves before the post takes its blocks along.
     """
 
-    __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted")
+    __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted",
+                 "posted_at", "finished_at")
 
     def __init__(self, peer: Peer, op: Op, new_event: Callable[[], NativeEvent]) -> None:
         super().__init__(peer, new_event)
@@ -114,6 +123,11 @@ class _Batch(_InFlight):
         self.live = 0  # members still waiting for it
         self.handle = NO_HANDLE
         self.posted = False
+        self.posted_at = self.finished_at = 0.0  # perf_counter(): post returned, end seen
+
+    def finish(self, status: Status, error: AionixlError | None = None) -> None:
+        self.finished_at = time.perf_counter()
+        super().finish(status, error)
 
     def add(self, entry: _Entry) -> None:
         self.entries.append(entry)
@@ -143,8 +157,6 @@ _SLICE_SHORT = 0.0001
 _CROWDED = 0.0002
 
 _ONE_BLOCK_CACHE = 4096
-#: Builds a TransferResult without NamedTuple.__new__'s argument handling (half its cost).
-_new_tuple = tuple.__new__
 
 
 class Transfers:
@@ -185,6 +197,7 @@ class Transfers:
         #: Benchmarks set a list here to collect, per transfer finished by the poller, the
         #: nanoseconds from the poller seeing its final state to the caller running again.
         self.wake_trace: list[int] | None = None
+        self.metrics = TransferMetrics(TransferResult, self._bytes_per_block, len(regions), peers.noisy)
 
     # ---- the call -----------------------------------------------------------------------
 
@@ -246,18 +259,27 @@ class Transfers:
             handle, status = agent.start_xfer(op, self.local_dlist, local_idx, peer._dlist,
                                               remote_idx, message, self._inline_polls)
         except PeerDisconnectedError as exc:
-            raise self._peers.evict(peer, exc) from exc
+            raise self.metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
+        except AionixlError as exc:
+            self.metrics.failed(exc, peer, op, nblocks, started)
+            raise
+        posted, tel = agent.posted, agent.telemetry
         if status is not DONE or handle != NO_HANDLE:
             limit = self._config.transfer_timeout if timeout is None else timeout
-            await self._finish(peer, handle, status, limit)
-            now = self._last_yield = time.perf_counter()
+            try:
+                await self._finish(peer, handle, status, limit)
+            except BaseException as exc:
+                self.metrics.failed(exc, peer, op, nblocks, started)
+                raise
+            tel = agent.telemetry
+            seen = now = self._last_yield = time.perf_counter()
         else:
             # Finished inline, without a trip through the event loop. A caller looping on
             # short transfers must still let other tasks run (and be cancellable): yield
             # once the engine has gone one slice without doing so. The slice adapts: long
             # while yielding finds the loop idle (a lone caller pays little), short once
             # other tasks were waiting (64 busy callers each get a short turn, not 2 ms).
-            now = time.perf_counter()
+            seen = now = time.perf_counter()
             if now - self._last_yield > self._slice:
                 # Shielded: the transfer is done; a cancel must not turn it into a failure
                 # (a caller that retried would write, and notify, twice).
@@ -265,7 +287,7 @@ class Transfers:
                 after = time.perf_counter()
                 self._slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
                 now = self._last_yield = after
-        return _new_tuple(TransferResult, (nblocks, nblocks * self._bytes_per_block, now - started))
+        return self.metrics.done(op, nblocks, started, posted, seen, now, tel)
 
     def _checked_indices(self, peer: Peer, local_blocks: object, remote_blocks: object,
                          op: Op) -> tuple[int, IndexArray, IndexArray]:
@@ -340,6 +362,8 @@ class Transfers:
         except AionixlError as exc:
             batch.finish(ERR, exc)
             return
+        finally:
+            batch.posted_at = time.perf_counter()
         if status == DONE and handle == NO_HANDLE:
             batch.finish(DONE)
             return
@@ -354,6 +378,15 @@ class Transfers:
 
     async def _member(self, batch: _Batch, entry: _Entry, started: float,
                       limit: float) -> TransferResult:
+        """Wait for a merged request as one of its callers; report this caller's part."""
+        try:
+            return await self._member_wait(batch, entry, started, limit)
+        except BaseException as exc:
+            self.metrics.failed(exc, batch.peer, batch.op, entry[2], started)
+            raise
+
+    async def _member_wait(self, batch: _Batch, entry: _Entry, started: float,
+                           limit: float) -> TransferResult:
         # No timer of its own (a cancel scope per member costs more than the transfer):
         # the poller wakes the members when the earliest deadline among them passes.
         while True:
@@ -380,8 +413,8 @@ class Transfers:
         if batch.status != DONE:
             raise TransferError("NIXL reported the transfer failed (ERR)")
         now = self._last_yield = time.perf_counter()
-        nblocks = entry[2]
-        return _new_tuple(TransferResult, (nblocks, nblocks * self._bytes_per_block, now - started))
+        return self.metrics.done(batch.op, entry[2], started, batch.posted_at, batch.finished_at, now,
+                                 None)
 
     def _leave(self, batch: _Batch, entry: _Entry) -> None:
         """A member gives up (timeout, cancelled) before its merged request finished.
@@ -441,6 +474,7 @@ class Transfers:
                 self.inflight[handle] = rec
                 self._poller_wakeup.set()
                 status = await self._wait(rec, limit)
+                agent.completed(handle, status)
                 if self.wake_trace is not None:
                     self.wake_trace.append(time.perf_counter_ns() - rec.finished_ns)
             if status != DONE:

@@ -2,8 +2,9 @@
 
 Both run in this process, against the same kind of peer (a second agent / engine in the
 same process, on DRAM), with the same regions and block ids. Prints medians over repeats
-and the spread; the ratio is the number to watch. Usage:
-    .venv/bin/python benchmarks/overhead.py [--regions 2] [--n 3000] [--repeats 7]
+and the spread; the ratio is the number to watch. ``--telemetry`` creates the engines' agents
+with NIXL's per-request telemetry (``EngineConfig(nixl_telemetry=True)``). Usage:
+    .venv/bin/python benchmarks/overhead.py [--regions 2] [--n 3000] [--repeats 7] [--telemetry]
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ def bare_loop(regions: int, blocks: int, block_bytes: int, n: int, repeats: int)
     return results
 
 
-async def engine_loop(regions: int, blocks: int, block_bytes: int, n: int, repeats: int) -> list[float]:
+async def engine_loop(regions: int, blocks: int, block_bytes: int, n: int, repeats: int,
+                      telemetry: bool = False) -> list[float]:
     src = [np.ones((blocks, block_bytes), np.uint8) for _ in range(regions)]
     dst = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(regions)]
-    async with aionixl.Engine("eng-src", src) as s, aionixl.Engine("eng-dst", dst, listen=None) as d:
+    cfg = aionixl.EngineConfig(nixl_telemetry=True) if telemetry else aionixl.EngineConfig()
+    async with aionixl.Engine("eng-src", src, config=cfg) as s, \
+            aionixl.Engine("eng-dst", dst, listen=None, config=cfg) as d:
         assert s.address is not None
         peer = await d.connect(s.address)
         results = []
@@ -85,11 +89,12 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=4096)
     p.add_argument("--n", type=int, default=3000)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--telemetry", action="store_true", help="engines capture NIXL telemetry")
     args = p.parse_args()
     shape = (args.regions, args.blocks, args.block_bytes, args.n, args.repeats)
     rows = {"bare NIXL (sync loop)": bare_loop(*shape)}
     for backend in ("asyncio", "trio"):
-        rows[f"aionixl on {backend}"] = anyio.run(engine_loop, *shape, backend=backend)
+        rows[f"aionixl on {backend}"] = anyio.run(engine_loop, *shape, args.telemetry, backend=backend)
     base = statistics.median(rows["bare NIXL (sync loop)"])
     print(f"one-block read, {args.regions} regions x {args.block_bytes} B, {args.n} transfers x "
           f"{args.repeats} repeats")

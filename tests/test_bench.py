@@ -105,6 +105,9 @@ def test_quick_run_writes_json_of_the_right_shape(quick_run: Any) -> None:
             assert isinstance(r["met"], bool)
     # Transfers really were in flight when the engines were closed.
     for backend in AIONIXL:
+        metrics = report["info"][backend]["metrics"]
+        assert metrics["transfers"]["read"]["ok"] > 0 and metrics["transferred_bytes"]["read"] > 0
+        assert metrics["transfers"]["read"]["ok"] == sum(metrics["transfer_seconds"]["read"]["counts"])
         assert min(report["info"][backend]["close_in_flight"]) > 0
         assert report["info"][backend]["close_resources_left"] == [0]
     # The table went to stdout.

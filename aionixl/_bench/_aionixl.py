@@ -243,6 +243,7 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
         ctx.spin()
         await eng.transfer_blocks(peer, [0], [0])
         await _verify(ctx, eng, peer, "after reconnecting")
+        info["metrics"] = eng.metrics().as_dict()  # everything this engine did, for the record
     info["resources_left"] = sum(eng.live_resources().values())
 
     if ctx.host is not None:

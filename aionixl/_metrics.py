@@ -1,0 +1,276 @@
+"""Engine metrics: counters kept on the transfer path, and the snapshot users read.
+
+The transfer path only bumps preallocated lists of ints (and two float sums) and bisects
+a fixed tuple of bucket bounds: no dict, tuple or object is created per transfer beyond the
+``TransferResult`` itself. :func:`snapshot` copies everything into frozen dataclasses, which
+is where the cost of reading metrics goes (whoever calls :meth:`Engine.metrics` pays it).
+Failed transfers are counted by outcome and logged, one structured record each, through the
+engine's rate limiter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import EngineClosedError, PeerDisconnectedError, TransferError, TransferTimeoutError
+from ._ratelimit import RateLimitedLog
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+OPS = ("read", "write")
+#: How a ``transfer_blocks`` call that reached NIXL ended.
+OUTCOMES = ("ok", "timeout", "cancelled", "peer_disconnected", "error", "closed")
+#: Why a peer was evicted: NIXL reported it disconnected (on a transfer or a notification),
+#: a transfer to it ended in NIXL's ERR state, or a liveness probe to it failed.
+EVICTION_CAUSES = ("disconnected", "transfer_error", "probe")
+#: Histogram upper bounds in seconds (1-2-5 steps from 1 us to 10 s; +Inf is implied).
+LATENCY_BOUNDS: tuple[float, ...] = (
+    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+    0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+_BUCKETS = len(LATENCY_BOUNDS) + 1
+_BOUNDS_ARRAY = np.array(LATENCY_BOUNDS)
+#: Finished transfers recorded before they are folded into the histograms.
+_RING = 4096
+_TIMEOUT, _CANCELLED, _DISCONNECTED, _ERROR, _CLOSED = 1, 2, 3, 4, 5
+_LOUD = {_TIMEOUT: logging.WARNING, _DISCONNECTED: logging.WARNING, _ERROR: logging.WARNING,
+         _CANCELLED: logging.INFO, _CLOSED: logging.INFO}
+#: Builds a TransferResult without NamedTuple.__new__'s argument handling (half its cost).
+_new_tuple = tuple.__new__
+Result = TypeVar("Result", bound=tuple[Any, ...])
+Exc = TypeVar("Exc", bound=BaseException)
+_perf = time.perf_counter
+
+
+class TransferMetrics(Generic[Result]):
+    """Per-op counters and histograms of one engine's transfers (index 0 read, 1 write).
+
+    ``done`` is the per-transfer hook: a closure (cell variables are cheaper to reach than
+    attributes) that builds the ``TransferResult`` and records its signed block count,
+    seconds and post seconds with three stores into preallocated lists (the two floats are
+    the result's own objects). Every :data:`_RING` transfers, and before a snapshot,
+    ``flush`` folds the records into the counters with numpy. Measured on the 2-core VM,
+    this cost about a third of bisecting into the histograms per transfer.
+    Failures are counted directly by :meth:`failed`.
+    """
+
+    __slots__ = ("outcomes", "bytes", "seconds", "seconds_sum", "post", "post_sum",
+                 "done", "flush", "_bytes_per_block", "_noisy")
+
+    def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
+                 noisy: RateLimitedLog) -> None:
+        self.outcomes = [[0] * len(OUTCOMES) for _ in OPS]
+        self.bytes = [0, 0]
+        self.seconds = [[0] * _BUCKETS for _ in OPS]  # call to return, finished transfers
+        self.seconds_sum = [0.0, 0.0]
+        self.post = [[0] * _BUCKETS for _ in OPS]  # creating and posting the NIXL request
+        self.post_sum = [0.0, 0.0]
+        self._bytes_per_block = bytes_per_block
+        self._noisy = noisy
+        self.done, self.flush = self._recorder(result, bytes_per_block, regions)
+
+    def _recorder(self, result: type[Result], bytes_per_block: int, regions: int
+                  ) -> tuple[Callable[[str, int, float, float, float, float,
+                                       tuple[float, float, int] | None], Result],
+                             Callable[[], None]]:
+        ring_blocks = [0] * _RING  # negative: a write
+        ring_seconds = [0.0] * _RING
+        ring_post = [0.0] * _RING
+        n = 0
+
+        def done(op: str, nblocks: int, started: float, posted: float, seen: float, now: float,
+                 telemetry: tuple[float, float, int] | None) -> Result:
+            """Count a finished transfer; returns its ``TransferResult``.
+
+            Times are ``perf_counter()`` readings: the call's post began at ``started``, the
+            post returned at ``posted``, completion was seen at ``seen``, the call returns at
+            ``now``. ``telemetry`` (NIXL's post seconds, transfer seconds, descriptors)
+            replaces the engine's own clock where the agent captures it.
+            """
+            nonlocal n
+            seconds = now - started
+            if telemetry is None:
+                post = posted - started
+                res = _new_tuple(result, (nblocks, nblocks * bytes_per_block, seconds, post,
+                                          seen - started, nblocks * regions))
+            else:
+                post = telemetry[0]
+                res = _new_tuple(result, (nblocks, nblocks * bytes_per_block, seconds, *telemetry))
+            i = n
+            ring_blocks[i] = -nblocks if op == "write" else nblocks
+            ring_seconds[i] = seconds
+            ring_post[i] = post
+            n = i = i + 1
+            if i == _RING:
+                flush()
+            return res
+
+        def flush() -> None:
+            """Fold the recorded transfers into the counters and histograms."""
+            nonlocal n
+            k, n = n, 0
+            if k:
+                self._fold(np.array(ring_blocks[:k], np.int64), np.array(ring_seconds[:k], np.float64),
+                           np.array(ring_post[:k], np.float64))
+
+        return done, flush
+
+    def _fold(self, blocks: npt.NDArray[np.int64], seconds: npt.NDArray[np.float64],
+              post: npt.NDArray[np.float64]) -> None:
+        for w, mine in enumerate((blocks > 0, blocks < 0)):
+            count = int(np.count_nonzero(mine))
+            if not count:
+                continue
+            self.outcomes[w][0] += count
+            self.bytes[w] += int(np.abs(blocks[mine]).sum()) * self._bytes_per_block
+            for hist, sums, values in ((self.seconds[w], self.seconds_sum, seconds[mine]),
+                                       (self.post[w], self.post_sum, post[mine])):
+                # side="left": a value equal to a bound counts in that bound's bucket (le).
+                found = np.bincount(np.searchsorted(_BOUNDS_ARRAY, values, side="left"),
+                                    minlength=_BUCKETS)
+                for b in np.flatnonzero(found).tolist():
+                    hist[b] += int(found[b])
+                sums[w] += float(values.sum())
+
+    def failed(self, exc: Exc, peer: Any, op: str, nblocks: int, started: float) -> Exc:
+        """Count a transfer that ended with ``exc`` and log it (rate-limited, structured)."""
+        outcome = outcome_of(exc)
+        self.outcomes[op == "write"][outcome] += 1
+        name = OUTCOMES[outcome]
+        elapsed = _perf() - started
+        nbytes = nblocks * self._bytes_per_block
+        self._noisy.log(_LOUD[outcome], "transfer-" + name,
+                        "%s of %d block(s) (%d bytes) with peer %r ended after %.6f s: %s: %s",
+                        op, nblocks, nbytes, peer.name, elapsed, name, str(exc) or type(exc).__name__,
+                        extra={"peer": peer.name, "op": op, "blocks": nblocks, "bytes": nbytes,
+                               "elapsed": elapsed, "cause": name})
+        return exc
+
+
+def outcome_of(exc: BaseException) -> int:
+    """The index in :data:`OUTCOMES` of a transfer that raised ``exc``."""
+    if isinstance(exc, TransferTimeoutError):
+        return _TIMEOUT
+    if isinstance(exc, PeerDisconnectedError):
+        return _DISCONNECTED
+    if isinstance(exc, EngineClosedError):
+        return _CLOSED
+    if isinstance(exc, Exception):
+        return _ERROR
+    try:
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+    except RuntimeError:  # no async library running (never on a real transfer path)
+        cancelled = False
+    return _CANCELLED if cancelled else _ERROR
+
+
+def eviction_cause(cause: BaseException) -> str:
+    """Which :data:`EVICTION_CAUSES` entry an eviction for ``cause`` counts under."""
+    if isinstance(cause, TransferError) and not isinstance(cause, PeerDisconnectedError):
+        return "transfer_error"
+    return "disconnected"
+
+
+# ---- the snapshot ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Observations in buckets: ``counts[i]`` fell in ``(bounds[i-1], bounds[i]]``; the last
+    count is above every bound (+Inf). Not cumulative; :meth:`cumulative` gives Prometheus'
+    ``le`` form."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(le, observations <= le)`` for every bound, then ``(inf, count)``."""
+        out: list[tuple[float, int]] = []
+        running = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """One engine's counters and gauges at one moment (:meth:`Engine.metrics`).
+
+    Transfers are counted per ``transfer_blocks`` call that reached NIXL (calls refused by
+    argument checks are not); a call on the engine's side only (the peer's engine counts
+    nothing for it). Counters never go down while the engine lives.
+    """
+
+    engine: str
+    #: op -> outcome -> calls; every op and outcome is present.
+    transfers: Mapping[str, Mapping[str, int]]
+    #: op -> bytes moved by finished (ok) transfers.
+    transferred_bytes: Mapping[str, int]
+    #: op -> seconds from call to return, finished transfers.
+    transfer_seconds: Mapping[str, Histogram]
+    #: op -> seconds to create and post the NIXL request, finished transfers.
+    post_seconds: Mapping[str, Histogram]
+    in_flight: int
+    peers: int
+    handshakes_accepted: int
+    handshakes_rejected: int
+    peers_evicted: int
+    #: cause -> evictions (see EVICTION_CAUSES); sums to ``peers_evicted``.
+    evictions: Mapping[str, int]
+    #: Notifications handed to ``wait_notification`` callers / dropped from a full mailbox.
+    notifications_delivered: int
+    notifications_dropped: int
+    notifications_kept: int
+    #: Coalescing: caller requests merged into shared NIXL calls, and those calls.
+    merged_requests: int
+    merged_calls: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dicts, lists and numbers (JSON-ready)."""
+        return asdict(self)
+
+
+def _histogram(counts: list[int], total: float) -> Histogram:
+    return Histogram(LATENCY_BOUNDS, tuple(counts), total)
+
+
+def snapshot(engine: Engine) -> EngineMetrics:
+    """Copy an engine's counters into an :class:`EngineMetrics` (any state, even closed)."""
+    transfers = engine._transfers
+    m = transfers.metrics
+    m.flush()
+    peers = engine._peers
+    mailbox = engine._mailbox
+    return EngineMetrics(
+        engine=engine.name,
+        transfers={op: dict(zip(OUTCOMES, m.outcomes[i], strict=True)) for i, op in enumerate(OPS)},
+        transferred_bytes=dict(zip(OPS, m.bytes, strict=True)),
+        transfer_seconds={op: _histogram(m.seconds[i], m.seconds_sum[i]) for i, op in enumerate(OPS)},
+        post_seconds={op: _histogram(m.post[i], m.post_sum[i]) for i, op in enumerate(OPS)},
+        in_flight=len(transfers.inflight),
+        peers=len(peers.by_name),
+        handshakes_accepted=engine._handshakes.accepted,
+        handshakes_rejected=engine._handshakes.rejected,
+        peers_evicted=peers.evicted,
+        evictions=dict(peers.evictions),
+        notifications_delivered=mailbox.delivered,
+        notifications_dropped=mailbox.dropped,
+        notifications_kept=mailbox.kept,
+        merged_requests=int(getattr(transfers, "merged_requests", 0)),
+        merged_calls=int(getattr(transfers, "merged_calls", 0)),
+    )
