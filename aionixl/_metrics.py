@@ -262,7 +262,7 @@ def snapshot(engine: Engine) -> EngineMetrics:
         transferred_bytes=dict(zip(OPS, m.bytes, strict=True)),
         transfer_seconds={op: _histogram(m.seconds[i], m.seconds_sum[i]) for i, op in enumerate(OPS)},
         post_seconds={op: _histogram(m.post[i], m.post_sum[i]) for i, op in enumerate(OPS)},
-        in_flight=len(transfers.inflight),
+        in_flight=transfers.calls_in_flight(),
         peers=len(peers.by_name),
         handshakes_accepted=engine._handshakes.accepted,
         handshakes_rejected=engine._handshakes.rejected,

@@ -519,6 +519,11 @@ class Transfers:
                 rec.finish(ERR, error)
                 self._release(agent, handle)
 
+    def calls_in_flight(self) -> int:
+        """Callers waiting on posted NIXL requests (a merged request counts its members)."""
+        return sum(rec.live if isinstance(rec, _Batch) else 1 for rec in self.inflight.values()
+                   if rec.status == PROC)
+
     def busy_with(self, peer: Peer) -> bool:
         return any(rec.peer is peer for rec in self.inflight.values())
 

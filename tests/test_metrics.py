@@ -12,7 +12,7 @@ import math
 import os
 import signal
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -27,8 +27,9 @@ import aionixl
 from aionixl._metrics import LATENCY_BOUNDS, OUTCOMES, TransferMetrics
 from aionixl._ratelimit import RateLimitedLog
 from aionixl.prometheus import EngineCollector
+from aionixl.testing import RemoteEngine
 
-from .conftest import PeerProcess, engine_pair, numpy_cache, unique
+from .conftest import engine_pair, numpy_cache, unique
 
 pytestmark = pytest.mark.anyio
 
@@ -144,21 +145,21 @@ def test_histogram_folding_puts_each_value_where_bisect_does() -> None:
 
 
 @pytest.fixture
-def stopped_tcp_peer(peer_process_factory: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+async def stopped_tcp_peer(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Any]:
     """A TCP-only child engine (a stopped one leaves transfers in flight) and a freezer."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    child: PeerProcess = peer_process_factory(num_blocks=8, block_bytes=1 << 20, regions=1,
-                                              env={"UCX_TLS": "tcp"})
+    async with RemoteEngine(seed=1, num_blocks=8, block_shape=(1 << 20,), dtypes=("uint8",),
+                            env={"UCX_TLS": "tcp"}) as child:
 
-    class Freezer:
-        def __enter__(self) -> None:
-            os.kill(child.proc.pid, signal.SIGSTOP)
+        class Freezer:
+            def __enter__(self) -> None:
+                os.kill(child.pid, signal.SIGSTOP)
 
-        def __exit__(self, *exc: object) -> None:
-            os.kill(child.proc.pid, signal.SIGCONT)
+            def __exit__(self, *exc: object) -> None:
+                os.kill(child.pid, signal.SIGCONT)
 
-    yield child, Freezer
-    os.kill(child.proc.pid, signal.SIGCONT)
+        yield child, Freezer
+        os.kill(child.pid, signal.SIGCONT)
 
 
 def _records(caplog: pytest.LogCaptureFixture, cause: str) -> list[logging.LogRecord]:
@@ -214,10 +215,11 @@ async def test_timeout_cancelled_and_closed_are_counted_and_logged(
 
 
 async def test_a_killed_peer_counts_peer_disconnected_and_one_eviction(
-        peer_process_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="aionixl")
-    child: PeerProcess = peer_process_factory(num_blocks=32, block_bytes=1 << 16, regions=2)
-    async with aionixl.Engine(unique("dec"), numpy_cache(32, 1 << 16, 2), listen=None) as eng:
+    async with RemoteEngine(seed=2, num_blocks=32, block_shape=(1 << 16,), dtypes=("uint8", "uint8")
+                            ) as child, \
+            aionixl.Engine(unique("dec"), numpy_cache(32, 1 << 16, 2), listen=None) as eng:
         peer = await eng.connect(child.address, timeout=30)
         assert eng.metrics().peers == 1
         failed: list[BaseException] = []
@@ -236,7 +238,7 @@ async def test_a_killed_peer_counts_peer_disconnected_and_one_eviction(
             for worker in range(4):
                 tg.start_soon(keep_reading, worker)
             await anyio.sleep(0.3)
-            child.proc.kill()
+            await child.kill()
         assert all(isinstance(e, aionixl.PeerDisconnectedError) for e in failed) and len(failed) == 4
         with pytest.raises(aionixl.PeerDisconnectedError):
             await eng.transfer_blocks(peer, [0], [0])  # refused before NIXL: not counted
