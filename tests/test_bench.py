@@ -28,7 +28,7 @@ EXPECTED: dict[str, set[str]] = {
     "seq_1_raw": {"bare"},
     "scattered_16": CONTENDERS, "scattered_256": CONTENDERS,
     "inflight_64": NIXL, "inflight_256": NIXL, "inflight_1024": NIXL,
-    "inflight_64_spawn": AIONIXL,
+    "inflight_64_spawn": AIONIXL, "inflight_64_notify": AIONIXL, "inflight_mixed": AIONIXL,
     "growth_1024": NIXL,
     "bulk": CONTENDERS,
     "wake": AIONIXL,

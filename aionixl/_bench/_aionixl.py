@@ -51,16 +51,18 @@ async def _latencies(eng: Engine, peer: Peer, pairs: list[tuple[Ids, Ids]], n: i
     return out
 
 
-async def _inflight(eng: Engine, peer: Peer, pairs: list[tuple[list[int], list[int]]]) -> float:
+async def _inflight(eng: Engine, peer: Peer, pairs: list[tuple[list[int], list[int]]],
+                    notify: bool = False) -> float:
     """One task per request, already running and waiting (as in a server); on the signal,
-    each starts its transfer. Seconds from the signal until the last one is done, / count."""
+    each starts its transfer (with ``notify``: each carrying its own notification).
+    Seconds from the signal until the last one is done, / count."""
     go, finished = anyio.Event(), anyio.Event()
     left = len(pairs)
 
     async def request(loc: list[int], rem: list[int]) -> None:
         nonlocal left
         await go.wait()
-        await eng.transfer_blocks(peer, loc, rem)
+        await eng.transfer_blocks(peer, loc, rem, notify=b"req-%d" % loc[0] if notify else None)
         left -= 1
         if not left:
             finished.set()
@@ -74,6 +76,21 @@ async def _inflight(eng: Engine, peer: Peer, pairs: list[tuple[list[int], list[i
         await finished.wait()
         seconds = time.perf_counter() - t
     return seconds / len(pairs)
+
+
+def _mixed_pairs(blocks: int) -> list[tuple[list[int], list[int]]]:
+    """Callers of 1, 16 and 256 blocks at once (three of each where the cache has room),
+    distinct destination blocks, contiguous ids."""
+    pairs: list[tuple[list[int], list[int]]] = []
+    at = 0
+    for _ in range(3):
+        for size in (1, 16, 256):
+            if at + size > blocks:
+                return pairs
+            ids = list(range(at, at + size))
+            pairs.append((ids, [blocks - 1 - i for i in ids]))
+            at += size
+    return pairs
 
 
 async def _inflight_spawn(eng: Engine, peer: Peer, pairs: list[tuple[list[int], list[int]]]) -> float:
@@ -196,6 +213,12 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
             one = ctx.one_block_pairs(64)
             ctx.progress(f"{label}: 64 in flight (a new task each)")
             out["inflight_64_spawn"] = [await _inflight_spawn(eng, peer, one) for _ in range(spec.repeats)]
+            ctx.progress(f"{label}: 64 in flight, each with its own notification")
+            out["inflight_64_notify"] = [await _inflight(eng, peer, one, notify=True)
+                                         for _ in range(spec.repeats)]
+            mixed = _mixed_pairs(spec.blocks)
+            ctx.progress(f"{label}: {len(mixed)} in flight of 1, 16 and 256 blocks")
+            out["inflight_mixed"] = [await _inflight(eng, peer, mixed) for _ in range(spec.repeats)]
             bulk = ctx.workload("contiguous", spec.bulk_blocks)
             nbytes = spec.bulk_blocks * spec.bytes_per_block_id
             others = [refs["bulk"]] if "bulk" in refs else []
