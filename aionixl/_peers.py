@@ -25,6 +25,7 @@ from ._ratelimit import RateLimitedLog
 from ._regions import Region, block_descriptors, region_offsets
 
 if TYPE_CHECKING:
+    from ._push import Pusher
     from ._transfers import Transfers
 
 log = logging.getLogger("aionixl")
@@ -38,7 +39,7 @@ GOODBYE = RESERVED + b"goodbye\x00"
 
 #: Features this engine speaks, announced in the handshake. A peer uses one only when the
 #: other side announced it too.
-FEATURES: frozenset[str] = frozenset()
+FEATURES: frozenset[str] = frozenset({"push-read"})
 
 
 def goodbye(metadata: bytes) -> bytes:
@@ -66,7 +67,8 @@ class Peer:
     """
 
     __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
-                 "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block")
+                 "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block",
+                 "read_mode", "_push")
 
     def __init__(self, engine: Any, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes,
@@ -87,6 +89,10 @@ class Peer:
         self._connected = True
         self._lost: BaseException | None = None  # why it was evicted, if it was
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+        #: How reads from this peer move data: "get" (one-sided NIXL READ) or "push" (the
+        #: peer's engine writes into our blocks); chosen at the handshake (EngineConfig.read_mode).
+        self.read_mode: str = "get"
+        self._push = False  # read_mode == "push", for the hot path
 
     @property
     def connected(self) -> bool:
@@ -104,6 +110,7 @@ class PeerTable:
         self.owner = owner
         self.agent: Agent | None = None  # set once the engine's agent exists
         self.transfers: Transfers | None = None
+        self.push: Pusher | None = None  # push reads (_push.py); set by the engine
         self.by_name: dict[str, Peer] = {}
         self.by_address: dict[str, Peer] = {}
         self.evicted = 0
@@ -163,6 +170,9 @@ class PeerTable:
             raise
         peer = Peer(self.owner, name, address, remote, dlist, metadata,
                     frozenset(f for f in features if f in FEATURES), host)
+        if self.push is not None:
+            peer.read_mode = self.push.mode_for(peer.features, peer.host)
+            peer._push = peer.read_mode == "push"
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer
@@ -198,9 +208,11 @@ class PeerTable:
         agent = self.agent
         if agent is None:
             return
+        lost = error or PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
         if self.transfers is not None:
-            self.transfers.fail_peer(peer, error or PeerDisconnectedError(
-                f"peer {peer.name!r} was disconnected"))
+            self.transfers.fail_peer(peer, lost)
+        if self.push is not None:
+            self.push.fail_peer(peer, lost)
         sink: list[str] = [] if problems is None else problems
         _attempt(agent.release_dlist, peer._dlist, sink)
         _attempt(agent.remove_remote, peer.name, sink)
@@ -213,6 +225,8 @@ class PeerTable:
 
     def heard(self, name: str, message: bytes) -> None:
         """A reserved notification from ``name``: a goodbye drops that incarnation."""
+        if self.push is not None and self.push.heard(name, message):
+            return  # a push-read message (_push.py)
         if not message.startswith(GOODBYE):
             return  # a probe: its arrival is all it had to do
         peer = self.by_name.get(name)

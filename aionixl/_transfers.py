@@ -36,6 +36,7 @@ from ._util import OPEN, check_timeout, deadline
 
 if TYPE_CHECKING:
     from ._engine import Engine
+    from ._push import Pusher
 
 Op = Literal["read", "write"]
 
@@ -101,6 +102,7 @@ class Transfers:
         #: Benchmarks set a list here to collect, per transfer finished by the poller, the
         #: nanoseconds from the poller seeing its final state to the caller running again.
         self.wake_trace: list[int] | None = None
+        self.push: Pusher | None = None  # push reads and the GET fence (_push.py); set by the engine
 
     # ---- the call -----------------------------------------------------------------------
 
@@ -140,6 +142,9 @@ class Transfers:
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
+        if peer._push and op == "read":  # the peer writes the blocks into ours (_push.py)
+            assert self.push is not None and local_idx is not None and remote_idx is not None
+            return await self.push.read(peer, local_idx, remote_idx, nblocks, message, timeout)
         agent = self.agent
         assert agent is not None and local_idx is not None and remote_idx is not None
         started = time.perf_counter()
@@ -150,7 +155,13 @@ class Transfers:
             raise self._peers.evict(peer, exc) from exc
         if status is not DONE or handle != NO_HANDLE:
             limit = self._config.transfer_timeout if timeout is None else timeout
-            await self._finish(peer, handle, status, limit)
+            try:
+                await self._finish(peer, handle, status, limit)
+            except BaseException:
+                if op == "read" and peer._connected and self.push is not None:
+                    # No late bytes: an aborted GET may still be writing (_push.fence_get).
+                    await self.push.fence_get(peer, local_idx, remote_idx)
+                raise
             now = self._last_yield = time.perf_counter()
         else:
             # Finished inline, without a trip through the event loop. A caller looping on
