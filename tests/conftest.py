@@ -65,13 +65,14 @@ class PeerProcess:
     def __init__(self, *, seed: int, num_blocks: int, block_bytes: int, regions: int,
                  env: dict[str, str] | None = None, name: str | None = None,
                  listen: str = "tcp://127.0.0.1:0", connect: str | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, merge_stderr: bool = False) -> None:
         self.seed, self.num_blocks, self.block_bytes, self.regions = seed, num_blocks, block_bytes, regions
         args = [sys.executable, str(HERE / "peer_main.py"), "--name", name or unique("child"),
                 "--seed", str(seed), "--blocks", str(num_blocks), "--block-bytes", str(block_bytes),
                 "--regions", str(regions), "--listen", listen, *(["--connect", connect] if connect else []),
                 *(["--secret", secret.decode()] if secret else [])]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT if merge_stderr else None,
                                      env={**os.environ, **(env or {})}, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
