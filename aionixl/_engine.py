@@ -133,7 +133,7 @@ class Engine:
         if self._agent is None:
             return dict(self._final_resources)
         counts = self._agent.live()
-        counts["in_flight"] = len(self._transfers.inflight)
+        counts["in_flight"] = len(self._transfers.inflight) + len(self._push.reads)
         counts["parked_handles"] = len(self._transfers.parked)
         return counts
 

@@ -163,11 +163,14 @@ def assert_closed_fast(child: Child, **kw: Any) -> dict[str, Any]:
 
 def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: tuple[netns.Host, netns.Host],
                                                              children: list[Child]) -> None:
-    """(a) transfers over the veth move the right bytes; (b) cutting the link while reads
-    stream gives TransferTimeoutError at the deadline; (c) with the link back, a
-    disconnect + connect works and moves the right bytes again."""
+    """(a) reads over the veth are push reads (UCX over TCP between two hosts) and move the
+    right bytes; (b) cutting the link while reads stream gives TransferTimeoutError at the
+    deadline (plus the unconfirmed cancel's push_cancel_timeout, after which the peer is
+    evicted); (c) no byte of the cut read lands after the link is back; (d) connect works
+    again and moves the right bytes."""
     prefill_host, _ = hosts
     prefill, decode, address = start_pair(hosts, children, "asyncio")
+    assert decode.call(op="connect", address=address, timeout=20)["read_mode"] == "push"
     for _ in range(3):
         assert_read_ok(decode)
     decode.send(op="stream", n=4, timeout=DEADLINE, ready_after=3)
@@ -178,7 +181,11 @@ def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: tuple[netns.H
     assert DEADLINE <= stopped["seconds"] < DEADLINE + MARGIN, stopped
     state = decode.call(op="state")
     assert state["resources"]["transfer_handles"] == 0 and state["resources"]["in_flight"] == 0, state
+    assert state["stats"]["fence_evictions"] == 1, state
+    assert decode.call(op="fill", value=0x5A)["ok"]
     prefill_host.link(up=True)
+    time.sleep(2.0)  # whatever the prefill side still had to send, it could send now
+    assert decode.call(op="count_not", value=0x5A)["count"] == 0, "bytes of the cut read landed late"
     assert decode.call(op="disconnect")["ok"]
     again = decode.call(op="connect", address=address, timeout=20)
     assert again["ok"], again
