@@ -339,11 +339,11 @@ class Pusher:
             return
         self._peers.owner._wake_drainer()
         with anyio.move_on_after(self._config.push_cancel_timeout):
-            while rec.state == _OPEN:
+            while rec.state == _OPEN and not self._closing:
                 await rec.event.wait()
                 if rec.state == _OPEN:
                     rec.event = anyio.Event()
-        if rec.state == _OPEN and peer.connected:
+        if rec.state == _OPEN and peer.connected and not self._closing:
             self.fenced_evictions += 1
             self._peers.evict(peer, TransferError(
                 f"a cancelled read was not confirmed stopped within {self._config.push_cancel_timeout} s"))
@@ -351,6 +351,8 @@ class Pusher:
     async def stop_peer(self, peer: Peer) -> None:
         """Before disconnecting: cancel our reads from ``peer`` and stop serving it (bounded)."""
         ours = [r for r in self.reads.values() if r.peer is peer and r.state == _OPEN]
+        for rec in ours:  # what their callers get once the server confirmed
+            rec.error = PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
         served = [j for j in self.jobs.values() if j.peer is peer]
         for job in served:
             job.cancelled = True
