@@ -197,10 +197,11 @@ def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: tuple[netns.H
 
 def test_close_with_reads_in_flight_over_a_dead_link(hosts: tuple[netns.Host, netns.Host],
                                                      children: list[Child]) -> None:
-    """With the link down: a read times out at its deadline, then both engines close fast
-    (reads still waiting get EngineClosedError) and hold nothing afterwards."""
+    """With the link down: a read times out at its deadline (the prefill side cannot confirm
+    the cancel: evicted); with the link back, connect again; with it down again, both
+    engines close fast (reads still waiting get EngineClosedError) and hold nothing."""
     _, decode_host = hosts
-    prefill, decode, _ = start_pair(hosts, children, "trio")
+    prefill, decode, address = start_pair(hosts, children, "trio")
     assert_read_ok(decode)
     decode_host.link(up=False)  # this time the decode host's own NIC
     start = time.monotonic()
@@ -208,6 +209,11 @@ def test_close_with_reads_in_flight_over_a_dead_link(hosts: tuple[netns.Host, ne
     assert not timed_out["ok"] and timed_out["error"] == "TransferTimeoutError", timed_out
     assert DEADLINE <= timed_out["seconds"] < DEADLINE + MARGIN, timed_out
     assert time.monotonic() - start < DEADLINE + MARGIN + 1
+    assert decode.call(op="state")["stats"]["fence_evictions"] == 1
+    decode_host.link(up=True)
+    assert decode.call(op="connect", address=address, timeout=20)["ok"]
+    assert_read_ok(decode)
+    decode_host.link(up=False)
     closed = assert_closed_fast(decode, inflight=3, inflight_timeout=60)
     assert closed["in_flight_at_close"] == 3, closed
     assert closed["outcomes"] == ["EngineClosedError"] * 3, closed
