@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 def _mapping() -> Mapping[str, str]:
@@ -73,6 +74,22 @@ class EngineConfig:
     #: one gathers a merged request (one trip through the event loop) instead of posting
     #: alone. A caller looping on its own never gathers, whatever the window.
     coalesce_window: float = 0.001
+    #: How ``transfer_blocks(op="read")`` moves data: ``"get"`` (a one-sided NIXL READ),
+    #: ``"push"`` (the peer's engine WRITEs the blocks into ours; see README "Read modes"),
+    #: or ``"auto"``: GET where the path supports it natively (one host with shared memory
+    #: allowed on both sides, or RDMA on both), push otherwise (UCX over TCP). Decided per
+    #: peer at the handshake; ``Peer.read_mode`` says what was chosen.
+    read_mode: Literal["auto", "get", "push"] = "auto"
+    #: A push is written in NIXL WRITEs of about this many bytes, one after another: how
+    #: long a cancelled push may keep writing before the server confirms it stopped.
+    push_chunk_bytes: int = 8 << 20
+    #: How long a read that was cancelled or timed out waits for the peer to confirm that
+    #: nothing more of it will land (push) or for a fencing read (GET); without it in time
+    #: the peer is evicted, which closes the connection its bytes would come over.
+    push_cancel_timeout: float = 1.0
+    #: Push reads one peer may have open on this engine (as the serving side); more are
+    #: refused with a TransferError at the reader.
+    max_pushes_per_peer: int = 1024
 
     def __post_init__(self) -> None:
         if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
@@ -91,6 +108,7 @@ class EngineConfig:
             "connect_backoff": self.connect_backoff,
             "peer_probe_interval": self.peer_probe_interval,
             "connect_attempt_timeout": self.connect_attempt_timeout,
+            "push_cancel_timeout": self.push_cancel_timeout,
         }
         for name, value in positive.items():
             if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
@@ -101,6 +119,8 @@ class EngineConfig:
             "max_pending_notifications": self.max_pending_notifications,
             "max_handshake_bytes": self.max_handshake_bytes,
             "coalesce_max_blocks": self.coalesce_max_blocks,
+            "push_chunk_bytes": self.push_chunk_bytes,
+            "max_pushes_per_peer": self.max_pushes_per_peer,
         }
         for name, value in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -117,5 +137,9 @@ class EngineConfig:
                              f"got {self.coalesce_window!r}")
         if not isinstance(self.coalesce, bool):
             raise ValueError(f"coalesce must be a bool, got {self.coalesce!r}")
+        if self.read_mode not in ("auto", "get", "push"):
+            raise ValueError(f"read_mode must be 'auto', 'get' or 'push', got {self.read_mode!r}")
+        if math.isinf(self.push_cancel_timeout):
+            raise ValueError("push_cancel_timeout must be finite")
         if not isinstance(self.inline_polls, int) or self.inline_polls < 0:
             raise ValueError(f"inline_polls must be an int >= 0, got {self.inline_polls!r}")

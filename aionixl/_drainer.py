@@ -49,6 +49,7 @@ class NotificationDrainer:
         idle_cap = self._config.idle_poll_interval
         probe_every = self._config.peer_probe_interval
         next_probe = anyio.current_time() + probe_every
+        push = peers.push
         interval = 0.0
         while True:
             try:
@@ -72,7 +73,7 @@ class NotificationDrainer:
             if peers and anyio.current_time() >= next_probe:
                 peers.probe()
                 next_probe = anyio.current_time() + probe_every
-            if delivered or transfers.inflight:
+            if delivered or transfers.inflight or (push is not None and push.active):
                 interval = 0.0
             elif not peers and not mailbox.waiting:
                 interval = math.inf  # nobody to hear from: sleep until something happens

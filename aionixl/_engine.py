@@ -34,6 +34,7 @@ from ._metrics import EngineMetrics, snapshot
 from ._nixl import Agent
 from ._notifications import Mailbox, Notification
 from ._peers import Peer, PeerTable, user_message
+from ._push import Pusher
 from ._ratelimit import RateLimitedLog
 from ._regions import IndexArray, Region, block_descriptors, describe_regions, registration_spans
 from ._transfers import Op, TransferResult, Transfers
@@ -91,6 +92,9 @@ class Engine:
         self._transfers = Transfers(self, self._regions, config, self._peers)
         self._peers.transfers = self._transfers
         self._handshakes = Handshakes(self, self._regions, config, self._peers, self._noisy)
+        # Push reads (_push.py): the peer table dispatches their messages, transfers their reads.
+        self._push = Pusher(config, self._peers, self._transfers, self._mailbox, self._noisy)
+        self._peers.push = self._transfers.push = self._push
         self._drainer = NotificationDrainer(config, self._mailbox, self._peers, self._transfers,
                                             self._noisy)
 
@@ -131,7 +135,7 @@ class Engine:
         if self._agent is None:
             return dict(self._final_resources)
         counts = self._agent.live()
-        counts["in_flight"] = len(self._transfers.inflight)
+        counts["in_flight"] = len(self._transfers.inflight) + len(self._push.reads)
         counts["parked_handles"] = len(self._transfers.parked)
         return counts
 
@@ -146,6 +150,9 @@ class Engine:
             "peers_evicted": self._peers.evicted,
             "merged_requests": self._transfers.merged_requests,
             "merged_calls": self._transfers.merged_calls,
+            "pushes_served": self._push.served,
+            "pushes_refused": self._push.refused,
+            "fence_evictions": self._push.fenced_evictions,
         }
 
     def metrics(self) -> EngineMetrics:
@@ -237,10 +244,11 @@ class Engine:
         self._state = DRAINING
         self._wake_drainer()
         inflight = self._transfers.inflight
+        push = self._push
 
         def settled() -> bool:
             expected[:] = [m for m in expected if self._mailbox.take(m, None) is None]
-            return not inflight and not self._mailbox.waiting and not expected
+            return not inflight and not push.active and not self._mailbox.waiting and not expected
 
         with self._operation(), anyio.move_on_after(timeout if math.isfinite(timeout) else None):
             while not settled():
@@ -269,6 +277,7 @@ class Engine:
                         self._address = await tg.start(self._handshakes.listen, self._listen)
                     tg.start_soon(self._transfers.poll)
                     tg.start_soon(self._drainer.run)
+                    tg.start_soon(self._push.run)
                     task_status.started()
         except BaseException as exc:
             if self._state in (OPEN, DRAINING) and not isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -292,6 +301,7 @@ class Engine:
                 self._mailbox.remove_waiter(waiter)
                 waiter.event.set()
             handles = self._transfers.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
+            self._push.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
             if self._agent is not None:
                 await self._release_nixl(handles, deadline)
         finally:
@@ -305,6 +315,7 @@ class Engine:
         """Transfer handles, goodbyes, peers, local descriptors, registrations, agent."""
         agent = self._agent
         assert agent is not None
+        await self._push.close(deadline)  # servers pushing into us stop first (bounded)
         problems = await self._transfers.close(handles, deadline, self._config.close_grace)
         await self._peers.say_goodbye(self._own_metadata, deadline)
         self._peers.drop_all(problems)
@@ -404,8 +415,10 @@ class Engine:
         self._check_open(draining_ok=True)
         self._peers.own(peer)
         with anyio.move_on_after(self._config.close_grace):
-            while peer.connected and self._transfers.busy_with(peer):
+            while peer.connected and (self._transfers.busy_with(peer) or self._push.busy_with(peer)):
                 await anyio.sleep(0.001)
+        if peer.connected:
+            await self._push.stop_peer(peer)  # cancel and confirm what is left (bounded)
         if peer.connected:
             self._peers.drop(peer, None)
         await anyio.lowlevel.checkpoint()

@@ -29,6 +29,7 @@ from ._errors import (
     ListenError,
 )
 from ._peers import FEATURES, Peer, PeerTable
+from ._push import host_facts
 from ._ratelimit import RateLimitedLog
 from ._regions import Region
 from ._util import OPEN, check_timeout, deadline
@@ -65,7 +66,7 @@ class Handshakes:
         self._connect_errors: dict[str, BaseException] = {}
         self.accepted = self.rejected = 0
         #: Where this engine runs, told to peers (see ``_protocol._EngineInfo.host``).
-        self._host: dict[str, str] = {}
+        self._host: dict[str, str] = host_facts()
 
     def _info(self) -> tuple[str, bytes, list[proto.RegionInfo], dict[str, str], str]:
         return (self._engine.name, self._engine._own_metadata,

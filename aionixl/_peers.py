@@ -27,6 +27,7 @@ from ._ratelimit import RateLimitedLog
 from ._regions import Region, block_descriptors, region_offsets
 
 if TYPE_CHECKING:
+    from ._push import Pusher
     from ._transfers import Transfers
 
 log = logging.getLogger("aionixl")
@@ -40,7 +41,7 @@ GOODBYE = RESERVED + b"goodbye\x00"
 
 #: Features this engine speaks, announced in the handshake. A peer uses one only when the
 #: other side announced it too.
-FEATURES: frozenset[str] = frozenset({"multi-notify"})
+FEATURES: frozenset[str] = frozenset({"multi-notify", "push-read"})
 
 #: One notification carrying several callers' messages (a coalesced transfer's): the
 #: receiving engine unpacks it and delivers each. Only sent to peers announcing
@@ -90,7 +91,8 @@ class Peer:
     """
 
     __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
-                 "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block", "_foreign")
+                 "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block", "_foreign",
+                 "read_mode", "_push")
 
     def __init__(self, engine: Any, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes,
@@ -114,6 +116,10 @@ class Peer:
         #: Not an aionixl engine (a vLLM prefill): it gets no probe and no goodbye, which
         #: it would take for a request's notification.
         self._foreign = False
+        #: How reads from this peer move data: "get" (one-sided NIXL READ) or "push" (the
+        #: peer's engine writes into our blocks); chosen at the handshake (EngineConfig.read_mode).
+        self.read_mode: str = "get"
+        self._push = False  # read_mode == "push", for the hot path
 
     @property
     def connected(self) -> bool:
@@ -131,6 +137,7 @@ class PeerTable:
         self.owner = owner
         self.agent: Agent | None = None  # set once the engine's agent exists
         self.transfers: Transfers | None = None
+        self.push: Pusher | None = None  # push reads (_push.py); set by the engine
         self.by_name: dict[str, Peer] = {}
         self.by_address: dict[str, Peer] = {}
         self.evicted = 0
@@ -191,6 +198,9 @@ class PeerTable:
             raise
         peer = Peer(self.owner, name, address, remote, dlist, metadata,
                     frozenset(f for f in features if f in FEATURES), host)
+        if self.push is not None:
+            peer.read_mode = self.push.mode_for(peer.features, peer.host)
+            peer._push = peer.read_mode == "push"
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer
@@ -232,9 +242,11 @@ class PeerTable:
         agent = self.agent
         if agent is None:
             return
+        lost = error or PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
         if self.transfers is not None:
-            self.transfers.fail_peer(peer, error or PeerDisconnectedError(
-                f"peer {peer.name!r} was disconnected"))
+            self.transfers.fail_peer(peer, lost)
+        if self.push is not None:
+            self.push.fail_peer(peer, lost)
         sink: list[str] = [] if problems is None else problems
         _attempt(agent.release_dlist, peer._dlist, sink)
         _attempt(agent.remove_remote, peer.name, sink)
@@ -247,6 +259,8 @@ class PeerTable:
 
     def heard(self, name: str, message: bytes) -> None:
         """A reserved notification from ``name``: a goodbye drops that incarnation."""
+        if self.push is not None and self.push.heard(name, message):
+            return  # a push-read message (_push.py)
         if not message.startswith(GOODBYE):
             return  # a probe: its arrival is all it had to do
         peer = self.by_name.get(name)

@@ -53,6 +53,7 @@ from ._util import CLOSED, CLOSING, OPEN, NativeEvent, check_timeout, deadline, 
 
 if TYPE_CHECKING:
     from ._engine import Engine
+    from ._push import Pusher
 
 Op = Literal["read", "write"]
 
@@ -198,6 +199,7 @@ class Transfers:
         #: nanoseconds from the poller seeing its final state to the caller running again.
         self.wake_trace: list[int] | None = None
         self.metrics = TransferMetrics(TransferResult, self._bytes_per_block, len(regions), peers.noisy)
+        self.push: Pusher | None = None  # push reads and the GET fence (_push.py); set by the engine
 
     # ---- the call -----------------------------------------------------------------------
 
@@ -237,6 +239,9 @@ class Transfers:
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
+        if peer._push and op == "read":  # the peer writes the blocks into ours (_push.py)
+            assert self.push is not None and local_idx is not None and remote_idx is not None
+            return await self.push.read(peer, local_idx, remote_idx, nblocks, message, timeout)
         agent = self.agent
         assert agent is not None and local_idx is not None and remote_idx is not None
         started = time.perf_counter()
@@ -270,6 +275,9 @@ class Transfers:
                 await self._finish(peer, handle, status, limit)
             except BaseException as exc:
                 self.metrics.failed(exc, peer, op, nblocks, started)
+                if op == "read" and peer._connected and self.push is not None:
+                    # No late bytes: an aborted GET may still be writing (_push.fence_get).
+                    await self.push.fence_get(peer, local_idx, remote_idx)
                 raise
             tel = agent.telemetry
             seen = now = self._last_yield = time.perf_counter()

@@ -101,7 +101,8 @@ class Driver:
             except Exception as exc:
                 return {"ok": False, "error": type(exc).__name__, "message": str(exc)[:300],
                         "seconds": time.monotonic() - start}
-            return {"ok": True, "peer": peer.name, "seconds": time.monotonic() - start}
+            return {"ok": True, "peer": peer.name, "read_mode": peer.read_mode,
+                    "seconds": time.monotonic() - start}
         if op == "read":
             return await self.read(cmd.get("n", 4), cmd.get("timeout", 10.0))
         if op == "stream":
@@ -132,9 +133,16 @@ class Driver:
             for p in list(engine.peers.values()):
                 await engine.disconnect(p)
             return {"ok": True}
+        if op == "fill":  # our blocks all hold one byte value (to catch late writes)
+            for c in self.cache:
+                c[:] = cmd["value"]
+            return {"ok": True}
+        if op == "count_not":  # how many bytes differ from that value
+            return {"ok": True, "count": int(sum(int(np.count_nonzero(c != cmd["value"]))
+                                                for c in self.cache))}
         if op == "state":
             return {"ok": True, "peers": {n: p.connected for n, p in engine.peers.items()},
-                    "resources": engine.live_resources()}
+                    "resources": engine.live_resources(), "stats": engine.stats()}
         if op == "close":
             return await self.close(cmd.get("inflight", 0), cmd.get("inflight_timeout", 60.0))
         raise ValueError(f"unknown op {op!r}")
@@ -179,7 +187,8 @@ async def main() -> None:
     args = parser.parse_args()
     logging.getLogger("nixl").setLevel(logging.WARNING)
     driver = Driver(args)
-    config = aionixl.EngineConfig(idle_poll_interval=0.01, max_handshake_bytes=args.max_handshake_bytes)
+    config = aionixl.EngineConfig(idle_poll_interval=0.01, max_handshake_bytes=args.max_handshake_bytes,
+                                  push_cancel_timeout=0.5)
     async with aionixl.Engine(args.name, driver.cache, listen=args.listen, config=config) as engine:
         driver.engine = engine
         say(event="ready", name=engine.name, address=engine.address)

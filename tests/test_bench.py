@@ -26,6 +26,7 @@ AIONIXL = {"asyncio", "trio"}
 EXPECTED: dict[str, set[str]] = {
     "seq_1": CONTENDERS, "seq_16": CONTENDERS, "seq_256": CONTENDERS,
     "seq_1_raw": {"bare"},
+    "seq_1_push": AIONIXL, "bulk_push": AIONIXL,
     "scattered_16": CONTENDERS, "scattered_256": CONTENDERS,
     "inflight_64": NIXL, "inflight_256": NIXL, "inflight_1024": NIXL,
     "inflight_64_spawn": AIONIXL, "inflight_64_notify": AIONIXL, "inflight_mixed": AIONIXL,

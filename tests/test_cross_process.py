@@ -70,20 +70,26 @@ async def _connected(eng: aionixl.Engine, child: RemoteEngine) -> aionixl.Peer:
 
 
 async def test_timeout_aborts_and_releases_the_handle(tcp_peer: RemoteEngine) -> None:
+    """A stopped peer cannot confirm that nothing more of the read will land (push mode, the
+    default over TCP), so the reader evicts it push_cancel_timeout after the deadline."""
     child = tcp_peer
     local = numpy_cache(8, 4 << 20, 1)
-    async with aionixl.Engine(unique("dec"), local, listen=None) as eng:
+    config = aionixl.EngineConfig(push_cancel_timeout=0.3)
+    async with aionixl.Engine(unique("dec"), local, listen=None, config=config) as eng:
         peer = await _connected(eng, child)
+        assert peer.read_mode == "push"
         async with child.paused():
             start = anyio.current_time()
             with pytest.raises(aionixl.TransferTimeoutError) as info:
                 await eng.transfer_blocks(peer, [1, 2, 3, 4], [1, 2, 3, 4], timeout=0.3)
             elapsed = anyio.current_time() - start
             assert isinstance(info.value, TimeoutError)
-            assert 0.3 <= elapsed < 2
+            assert 0.6 <= elapsed < 2.5
             assert eng.live_resources()["transfer_handles"] == 0
             assert eng.live_resources()["in_flight"] == 0
-        # The peer is alive again: the engine still works with it.
+            assert not peer.connected and eng.stats()["fence_evictions"] == 1
+        # The peer is alive again: connect() reaches it and reads work.
+        peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [5], [5], timeout=30)
         assert_blocks_equal(local, [5], child.seed, [5], **child.geometry)
     assert_no_resources(eng)
@@ -98,6 +104,10 @@ async def test_cancellation_aborts_and_releases_the_handle(tcp_peer: RemoteEngin
                 await eng.transfer_blocks(peer, [1, 2, 3, 4], [1, 2, 3, 4])
             assert scope.cancelled_caught
             assert eng.live_resources()["transfer_handles"] == 0
+            assert eng.live_resources()["in_flight"] == 0
+            assert not peer.connected  # unconfirmed: evicted (see the test above)
+        peer = await _connected(eng, child)
+        async with child.paused():
             # Cancelling one of several leaves the others alone.
             async with anyio.create_task_group() as tg:
                 outcome: dict[str, Any] = {}

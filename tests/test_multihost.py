@@ -149,11 +149,14 @@ def assert_closed_fast(child: Child, **kw: Any) -> dict[str, Any]:
 
 def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: TwoHosts,
                                                              children: list[Child]) -> None:
-    """(a) transfers over the veth move the right bytes; (b) cutting the link while reads
-    stream gives TransferTimeoutError at the deadline; (c) with the link back, a
-    disconnect + connect works and moves the right bytes again."""
+    """(a) reads over the veth are push reads (UCX over TCP between two hosts) and move the
+    right bytes; (b) cutting the link while reads stream gives TransferTimeoutError at the
+    deadline (plus the unconfirmed cancel's push_cancel_timeout, after which the peer is
+    evicted); (c) no byte of the cut read lands after the link is back; (d) connect works
+    again and moves the right bytes."""
     prefill_host = hosts.a
     prefill, decode, address = start_pair(hosts, children, "asyncio")
+    assert decode.call(op="connect", address=address, timeout=20)["read_mode"] == "push"
     for _ in range(3):
         assert_read_ok(decode)
     decode.send(op="stream", n=4, timeout=DEADLINE, ready_after=3)
@@ -164,7 +167,11 @@ def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: TwoHosts,
     assert DEADLINE <= stopped["seconds"] < DEADLINE + MARGIN, stopped
     state = decode.call(op="state")
     assert state["resources"]["transfer_handles"] == 0 and state["resources"]["in_flight"] == 0, state
+    assert state["stats"]["fence_evictions"] == 1, state
+    assert decode.call(op="fill", value=0x5A)["ok"]
     hosts.restore()
+    time.sleep(2.0)  # whatever the prefill side still had to send, it could send now
+    assert decode.call(op="count_not", value=0x5A)["count"] == 0, "bytes of the cut read landed late"
     assert decode.call(op="disconnect")["ok"]
     again = decode.call(op="connect", address=address, timeout=20)
     assert again["ok"], again
@@ -176,9 +183,10 @@ def test_link_cut_mid_stream_times_out_then_reconnect_works(hosts: TwoHosts,
 
 def test_close_with_reads_in_flight_over_a_dead_link(hosts: TwoHosts,
                                                      children: list[Child]) -> None:
-    """With the link down: a read times out at its deadline, then both engines close fast
-    (reads still waiting get EngineClosedError) and hold nothing afterwards."""
-    prefill, decode, _ = start_pair(hosts, children, "trio")
+    """With the link down: a read times out at its deadline (the prefill side cannot confirm
+    the cancel: evicted); with the link back, connect again; with it down again, both
+    engines close fast (reads still waiting get EngineClosedError) and hold nothing."""
+    prefill, decode, address = start_pair(hosts, children, "trio")
     assert_read_ok(decode)
     hosts.cut(hosts.b)  # this time the decode host's own NIC
     start = time.monotonic()
@@ -186,6 +194,11 @@ def test_close_with_reads_in_flight_over_a_dead_link(hosts: TwoHosts,
     assert not timed_out["ok"] and timed_out["error"] == "TransferTimeoutError", timed_out
     assert DEADLINE <= timed_out["seconds"] < DEADLINE + MARGIN, timed_out
     assert time.monotonic() - start < DEADLINE + MARGIN + 1
+    assert decode.call(op="state")["stats"]["fence_evictions"] == 1
+    hosts.restore()
+    assert decode.call(op="connect", address=address, timeout=20)["ok"]
+    assert_read_ok(decode)
+    hosts.cut(hosts.b)
     closed = assert_closed_fast(decode, inflight=3, inflight_timeout=60)
     assert closed["in_flight_at_close"] == 3, closed
     assert closed["outcomes"] == ["EngineClosedError"] * 3, closed

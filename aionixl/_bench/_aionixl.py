@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from .._config import EngineConfig
 from .._engine import Engine, Peer
 from .._errors import EngineClosedError
 from ._context import Context, Ids
@@ -228,6 +229,7 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
             out["bulk"] = [nbytes / t for t in mine]
             if theirs:  # throughput ratio: their time / ours
                 paired["bulk_vs_memcpy"] = _ratios(theirs[0], mine)
+            out.update(await _push_reads(ctx, label, unit.address, bulk))
         finally:
             if ref is not None:
                 ref.close()
@@ -300,6 +302,28 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
     return out
 
 
+async def _push_reads(ctx: Context, label: str, address: str, bulk: list[tuple[Ids, Ids]],
+                      ) -> dict[str, list[float]]:
+    """The same one-block and 16 MiB reads in push mode (the peer writes into our blocks:
+    what ``read_mode="auto"`` picks over UCX TCP), so the cost of that extra hop is on record."""
+    spec = ctx.spec
+    out: dict[str, list[float]] = {}
+    config = EngineConfig(read_mode="push")
+    async with Engine(ctx.unique(f"aionixl-push-{label[-4:]}"), ctx.local.regions, listen=None,
+                      config=config) as eng:
+        peer = await eng.connect(address, timeout=30)
+        await eng.transfer_blocks(peer, [0], [0])  # wire-up
+        ctx.progress(f"{label}: 1-block reads, push mode")
+        pairs = ctx.workload("contiguous", 1)
+        out["seq_1_push"] = [await _seq(eng, peer, pairs, spec.seq[1]) for _ in range(spec.repeats)]
+        ctx.progress(f"{label}: 16 MiB reads, push mode")
+        nbytes = spec.bulk_blocks * spec.bytes_per_block_id
+        out["bulk_push"] = [nbytes / await _seq(eng, peer, bulk, spec.bulk_count)
+                            for _ in range(spec.repeats)]
+        await _verify(ctx, eng, peer, "after the push-mode reads")
+    return out
+
+
 async def _doomed(eng: Engine, peer: Peer, ids: list[int], counts: dict[str, int]) -> None:
     counts["posted"] += 1  # from here to its first wait, transfer_blocks runs without yielding
     try:
@@ -320,8 +344,10 @@ async def _close_once(ctx: Context, backend: str, first: bool, npeers: int | Non
     counts_threads["base"] = ctx.thread_count()
     async with AsyncExitStack() as stack:
         with ctx.ucx_env(spec.slow_tls):
+            # GET over tcp, as in earlier runs: these rows measure the poller and the close.
             eng = await stack.enter_async_context(Engine(ctx.unique(f"aionixl-{backend}-tcp"),
-                                                         ctx.local.regions))
+                                                         ctx.local.regions,
+                                                         config=EngineConfig(read_mode="get")))
         peers = [await eng.connect(u.address, timeout=30)
                  for u in ctx.units[: spec.peers if npeers is None else npeers]]
         for p in peers:

@@ -44,6 +44,9 @@ def measures(spec: Any) -> list[Measure]:
         ms.append(Measure(f"seq_{n}", f"{n} block{'s' if n > 1 else ''}, sequential", "us", 1e6, "minmax",
                           f"time per transfer of {n} block id(s) (every region), contiguous ids, "
                           "one at a time"))
+    ms.append(Measure("seq_1_push", "1 block, seq., push mode", "us", 1e6, "minmax",
+                      "aionixl only: as 1 block sequential, read_mode=\"push\" (the peer writes the "
+                      "block into ours and notifies; what auto picks over UCX TCP)"))
     ms.append(Measure("seq_1_raw", "1 block, seq., raw bindings", "us", 1e6, "minmax",
                       "bare NIXL's one-block loop on the bound nixlAgent (no wrapper objects): the "
                       "calls aionixl makes"))
@@ -69,6 +72,8 @@ def measures(spec: Any) -> list[Measure]:
                       f"median per-transfer time at {last} in flight / median one-block sequential"))
     ms.append(Measure("bulk", f"{spec.bulk_bytes >> 20} MiB transfers", "GB/s", 1e-9, "minmax",
                       "throughput of one-at-a-time transfers of that many bytes", higher_is_better=True))
+    ms.append(Measure("bulk_push", f"{spec.bulk_bytes >> 20} MiB, push mode", "GB/s", 1e-9, "minmax",
+                      "aionixl only: as above, read_mode=\"push\"", higher_is_better=True))
     if spec.device == "cuda":
         ms.append(Measure("bulk_d2h", f"{spec.bulk_bytes >> 20} MiB device->host", "GB/s", 1e-9,
                           "minmax", "reads from the prefill side's VRAM into DRAM here", True))

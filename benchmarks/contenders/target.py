@@ -29,6 +29,7 @@ import os
 import sys
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from threaded_connector import MetadataListener, encode_metadata
 
 import aionixl
 from aionixl._bench._memory import KVMemory
+from aionixl._peers import RESERVED
 
 
 def _engine_agent(engine: aionixl.Engine) -> Any:
@@ -49,6 +51,15 @@ def _engine_agent(engine: aionixl.Engine) -> Any:
         raise SystemExit("bench target: aionixl.Engine no longer exposes _agent.get_notifs() and "
                          "_agent.metadata(); update benchmarks/contenders/target.py")
     return agent
+
+
+def _progress(engine: aionixl.Engine, agent: Any) -> None:
+    """One NIXL progress call. The engine's own messages (push-read requests, probes,
+    goodbyes) that it returns go to the engine as its drainer would hand them over."""
+    for name, messages in agent.get_notifs().items():
+        for message in messages:
+            if message.startswith(RESERVED):
+                engine._peers.heard(name, message)
 
 
 class State:
@@ -118,7 +129,7 @@ async def main() -> None:
                 listener = MetadataListener(encode_metadata(metadata, layout),
                                             name=f"prefill-{i}-listener")
                 listeners.append(listener)
-                progress.append(agent.get_notifs)
+                progress.append(partial(_progress, engine, agent))
                 units.append({"name": engine.name, "address": engine.address,
                               "meta_address": listener.address,
                               "metadata": base64.b64encode(metadata).decode()})

@@ -1,0 +1,623 @@
+"""Peer-driven ("push") reads, the read-mode choice, and the fence after an aborted read.
+
+Why: over UCX TCP a one-sided GET is emulated, and the *target* sends the data back from
+inside UCX; when the reader dies or disconnects mid-read, that reply path aborts the
+serving process (SIGABRT in UCX 1.23). A PUT has no such path: its initiator handles a
+dead target as an ordinary error, and its target survives a dying writer. So where GET is
+not native, a read becomes a request that the serving engine answers with WRITEs.
+
+The exchange, all over reserved NIXL notifications (``_peers.RESERVED``; never delivered
+to callers):
+
+- reader → server ``PUSH`` + request (id, destination and source block ids, deadline,
+  the caller's ``notify``). The server accepts it only from an admitted peer, validates
+  every id, bounds the requests one peer may have open, and writes the blocks into the
+  reader's memory in chunks of ``push_chunk_bytes``, one NIXL WRITE at a time, each
+  tracked in the transfer component's in-flight table (so close, eviction and drops
+  release it like any transfer) under the push's deadline.
+- The last chunk carries ``PDONE`` + id. NIXL sends a transfer's notification only once
+  the transfer completed, which includes a UCX flush of the endpoint, so the data of this
+  and every earlier chunk is in the reader's memory when the reader sees it. The caller's
+  ``notify`` is delivered into the *server's* own mailbox at that same moment (the write
+  is DONE: remote completion), so it reaches the server after the data landed without a
+  further hop, and also when the reader dies right after.
+- ``PERR`` + (id, reason): the server refused or gave up, with none of that request's
+  writes outstanding.
+- reader → server ``PCANCEL`` + id, when the caller timed out or was cancelled. The server
+  stops before the next chunk, waits for the chunk under way (UCX cannot abort a PUT, and
+  NIXL's release does not either), then answers ``PGONE`` + id: nothing more of it will
+  land. A reader that hears neither ``PGONE``, ``PDONE`` nor ``PERR`` within
+  ``push_cancel_timeout`` evicts the peer: its NIXL connection is closed, so the server's
+  writes can no longer reach our memory.
+
+GET mode gets a fence after an aborted read too (:func:`fence_get`): one more one-block
+READ from the same peer. NIXL ends every transfer with a flush of the UCX endpoint, which
+completes only after every earlier operation on that endpoint did, so once the fence is
+DONE the aborted GET can no longer write; a fence that does not finish within
+``push_cancel_timeout`` evicts the peer instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Literal
+
+import anyio
+import anyio.abc
+import msgspec
+import numpy as np
+
+from ._config import EngineConfig
+from ._errors import (
+    AionixlError,
+    PeerDisconnectedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ._nixl import DONE, NO_HANDLE, PROC, Indices
+from ._notifications import Mailbox, Notification
+from ._peers import RESERVED, Peer, PeerTable
+from ._ratelimit import RateLimitedLog
+from ._regions import IndexArray, descriptor_indices
+from ._transfers import TransferResult, Transfers, _InFlight
+from ._util import DRAINING, OPEN
+
+log = logging.getLogger("aionixl")
+
+ReadMode = Literal["get", "push"]
+
+#: The feature a peer announces in its handshake when it serves push requests.
+PUSH_FEATURE = "push-read"
+
+PUSH = RESERVED + b"push\x00"
+PCANCEL = RESERVED + b"pcancel\x00"
+PDONE = RESERVED + b"pdone\x00"
+PERR = RESERVED + b"perr\x00"
+PGONE = RESERVED + b"pgone\x00"
+_FAMILY = (PUSH, PCANCEL, PDONE, PERR, PGONE)
+#: Longest push request the server decodes (ids are 4 bytes each, two lists).
+_MAX_REQUEST = 64 << 20
+
+
+class PushRequest(msgspec.Struct, frozen=True, array_like=True):
+    """What a reader asks of the server: block ids as little-endian int32 arrays."""
+
+    rid: int
+    dst: bytes  # the reader's destination block ids
+    src: bytes  # the server's source block ids
+    timeout: float  # the reader's deadline for the whole read, in seconds
+    notify: bytes = b""  # delivered to the server's mailbox once the data landed
+
+
+class PushError(msgspec.Struct, frozen=True, array_like=True):
+    rid: int
+    reason: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(PushRequest)
+_error_decoder = msgspec.msgpack.Decoder(PushError)
+
+
+def _rid_bytes(rid: int) -> bytes:
+    return rid.to_bytes(8, "little")
+
+
+# ---- where an engine runs, and which read mode a pair of engines uses --------------------
+
+_SHM_TLS = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}
+_RDMA_TLS = {"ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
+             "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5"}
+
+
+def _tls_allows(tls: str, family: set[str], whole: set[str]) -> bool:
+    """Whether a ``UCX_TLS`` value lets UCX use a transport of ``family``.
+
+    Unset or ``all``: yes. A list: yes if it names one of them. An exclusion list (``^``):
+    yes unless it excludes the family by its alias (``whole``) or every member.
+    """
+    text = tls.strip().lower()
+    if not text or text == "all":
+        return True
+    negated = text.startswith("^")
+    items = {t.strip() for t in text.lstrip("^").split(",") if t.strip()}
+    if negated:
+        return not (items & whole) and not family <= items
+    return bool(items & family)
+
+
+def shm_allowed(tls: str) -> bool:
+    return _tls_allows(tls, _SHM_TLS, {"sm", "shm"})
+
+
+def rdma_allowed(tls: str) -> bool:
+    return _tls_allows(tls, _RDMA_TLS, {"ib"})
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def host_facts() -> dict[str, str]:
+    """What this engine tells its peers about where it runs (handshake ``host``).
+
+    ``node``: a digest of the boot id, the host name and the IPC, PID, user and mount
+    namespaces: two engines with the same one can use shared memory (what UCX checks
+    before using its shared-memory transports). ``ucx_tls``: this process's ``UCX_TLS``.
+    ``rdma``: "1" when an RDMA device is present and UCX_TLS allows an RDMA transport.
+    """
+    digest = hashlib.sha256(b"aionixl-node-v1")
+    digest.update(_read("/proc/sys/kernel/random/boot_id").encode())
+    digest.update(socket.gethostname().encode())
+    for ns in ("ipc", "pid", "user", "mnt"):
+        try:
+            digest.update(os.readlink(f"/proc/self/ns/{ns}").encode())
+        except OSError:
+            digest.update(b"?")
+    tls = os.environ.get("UCX_TLS", "")
+    try:
+        rdma_devices = bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        rdma_devices = False
+    return {"node": digest.hexdigest()[:32], "ucx_tls": tls[:200],
+            "rdma": "1" if rdma_devices and rdma_allowed(tls) else "0"}
+
+
+def choose_read_mode(setting: str, features: frozenset[str], ours: Mapping[str, str],
+                     theirs: Mapping[str, str]) -> ReadMode:
+    """GET where the path between the two engines is native, push otherwise.
+
+    Native: the same node with shared memory allowed by both sides' ``UCX_TLS``, or RDMA
+    on both. A peer without the push feature (an older engine) always gets GET; so does
+    everyone under ``read_mode="get"``, and ``"push"`` forces push where the peer can.
+    """
+    if PUSH_FEATURE not in features or setting == "get":
+        return "get"
+    if setting == "push":
+        return "push"
+    node = ours.get("node")
+    if node and node == theirs.get("node") and shm_allowed(ours.get("ucx_tls", "")) \
+            and shm_allowed(theirs.get("ucx_tls", "")):
+        return "get"
+    if ours.get("rdma") == "1" and theirs.get("rdma") == "1":
+        return "get"
+    return "push"
+
+
+# ---- the component ----------------------------------------------------------------------
+
+_OPEN, _DONE, _GONE, _FAILED = 0, 1, 2, 3
+
+
+class _Read:
+    """One push read this engine asked for, until the server says nothing more will land."""
+
+    __slots__ = ("peer", "rid", "state", "error", "event")
+
+    def __init__(self, peer: Peer, rid: int) -> None:
+        self.peer = peer
+        self.rid = rid
+        self.state = _OPEN
+        self.error: AionixlError | None = None
+        self.event = anyio.Event()
+
+    def settle(self, state: int, error: AionixlError | None = None) -> None:
+        if self.state == _OPEN:
+            self.state = state
+            if error is not None and self.error is None:
+                self.error = error
+        self.event.set()
+
+
+class _Job:
+    """One push this engine serves: the chunks still to write into a peer's blocks."""
+
+    __slots__ = ("peer", "rid", "chunks", "deadline", "notify", "cancelled", "wake")
+
+    def __init__(self, peer: Peer, rid: int, chunks: list[tuple[IndexArray, IndexArray]],
+                 deadline: float, notify: bytes) -> None:
+        self.peer = peer
+        self.rid = rid
+        self.chunks = chunks
+        self.deadline = deadline
+        self.notify = notify
+        self.cancelled = False
+        self.wake = anyio.Event()
+
+
+class Pusher:
+    """Both sides of push reads for one engine; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, peers: PeerTable, transfers: Transfers,
+                 mailbox: Mailbox, noisy: RateLimitedLog) -> None:
+        self._config = config
+        self._peers = peers
+        self._transfers = transfers
+        self._mailbox = mailbox
+        self._noisy = noisy
+        self._ids = itertools.count(1)
+        self.host = host_facts()
+        self.reads: dict[int, _Read] = {}  # ours, by request id
+        self.jobs: dict[tuple[str, int], _Job] = {}  # served, by (peer name, request id)
+        self._per_peer: dict[str, int] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closing = False
+        self.served = 0  # pushes completed for peers (stats)
+        self.refused = 0  # push requests refused (stats)
+        self.fenced_evictions = 0  # peers evicted because an aborted read went unconfirmed
+
+    @property
+    def active(self) -> bool:
+        """Whether the drainer should poll every loop turn for us."""
+        return bool(self.reads or self.jobs)
+
+    def mode_for(self, features: frozenset[str], host: Mapping[str, str]) -> ReadMode:
+        return choose_read_mode(self._config.read_mode, features, self.host, host)
+
+    def busy_with(self, peer: Peer) -> bool:
+        return any(r.peer is peer for r in self.reads.values()) or \
+            any(j.peer is peer for j in self.jobs.values())
+
+    async def run(self) -> None:
+        """Holds the task group that serves pushes; runs until the engine stops."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self._tg = None
+
+    # ---- the reader's side --------------------------------------------------------------
+
+    async def read(self, peer: Peer, local_idx: Indices, remote_idx: Indices, nblocks: int,
+                   notify: bytes, timeout: float | None) -> TransferResult:
+        """Ask ``peer`` to write its blocks into ours; return once they landed."""
+        agent = self._transfers.agent
+        assert agent is not None
+        limit = self._config.transfer_timeout if timeout is None else timeout
+        started = time.perf_counter()
+        # Region 0 comes first in region-major descriptor indices: its entries are the ids.
+        dst = np.asarray(local_idx[:nblocks], dtype="<i4").tobytes()
+        src = np.asarray(remote_idx[:nblocks], dtype="<i4").tobytes()
+        rid = next(self._ids)
+        request = PUSH + _encoder.encode(PushRequest(rid, dst, src, float(limit), notify))
+        rec = _Read(peer, rid)
+        self.reads[rid] = rec
+        try:
+            agent.send_notif(peer.name, request)
+        except PeerDisconnectedError as exc:
+            del self.reads[rid]
+            raise self._peers.evict(peer, exc) from exc
+        except BaseException:
+            del self.reads[rid]
+            raise
+        self._peers.owner._wake_drainer()
+        try:
+            with anyio.fail_after(limit if math.isfinite(limit) else None):
+                await rec.event.wait()
+        except BaseException as exc:
+            if rec.state == _OPEN and not self._closing:
+                with anyio.CancelScope(shield=True):
+                    await self._fence(rec)
+            if not isinstance(exc, TimeoutError):
+                raise
+            if rec.state != _DONE:  # (data that landed just as time ran out still counts)
+                raise TransferTimeoutError(
+                    f"transfer to {peer.name!r} did not finish within {limit} s; it was "
+                    "aborted") from None
+        finally:
+            if not self._closing:  # a closing engine fences what is left in close()
+                self.reads.pop(rid, None)
+        if rec.state != _DONE:
+            error = rec.error or TransferError(f"push read from {peer.name!r} ended without data")
+            raise type(error)(str(error)) from error.__cause__
+        nbytes = nblocks * self._transfers._bytes_per_block
+        return TransferResult(nblocks, nbytes, time.perf_counter() - started)
+
+    async def _fence(self, rec: _Read) -> None:
+        """The caller left early: make sure no more of this read lands, or evict the peer."""
+        peer = rec.peer
+        if not peer.connected:
+            return  # dropped: its connection is closed
+        agent = self._transfers.agent
+        assert agent is not None
+        try:
+            agent.send_notif(peer.name, PCANCEL + _rid_bytes(rec.rid))
+        except AionixlError as exc:
+            self._peers.evict(peer, exc)
+            return
+        self._peers.owner._wake_drainer()
+        with anyio.move_on_after(self._config.push_cancel_timeout):
+            while rec.state == _OPEN and not self._closing:
+                await rec.event.wait()
+                if rec.state == _OPEN:
+                    rec.event = anyio.Event()
+        if rec.state == _OPEN and peer.connected and not self._closing:
+            self.fenced_evictions += 1
+            self._peers.evict(peer, TransferError(
+                f"a cancelled read was not confirmed stopped within {self._config.push_cancel_timeout} s"))
+
+    async def stop_peer(self, peer: Peer) -> None:
+        """Before disconnecting: cancel our reads from ``peer`` and stop serving it (bounded)."""
+        ours = [r for r in self.reads.values() if r.peer is peer and r.state == _OPEN]
+        for rec in ours:  # what their callers get once the server confirmed
+            rec.error = PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
+        served = [j for j in self.jobs.values() if j.peer is peer]
+        for job in served:
+            job.cancelled = True
+        with anyio.CancelScope(shield=True):
+            if ours:
+                async with anyio.create_task_group() as tg:
+                    for rec in ours:
+                        tg.start_soon(self._fence, rec)
+            with anyio.move_on_after(self._config.push_cancel_timeout):
+                while any(j.peer is peer for j in self.jobs.values()):
+                    await anyio.sleep(0.001)
+
+    # ---- the server's side --------------------------------------------------------------
+
+    def heard(self, name: str, message: bytes) -> bool:
+        """A reserved notification: True if it was one of ours (and has been handled)."""
+        if not message.startswith(_FAMILY):
+            return False
+        if message.startswith(PDONE):
+            self._settle(name, message[len(PDONE):], _DONE)
+        elif message.startswith(PGONE):
+            self._settle(name, message[len(PGONE):], _GONE)
+        elif message.startswith(PERR):
+            try:
+                err = _error_decoder.decode(message[len(PERR):])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return True
+            rec = self.reads.get(err.rid)
+            if rec is not None and rec.peer.name == name:
+                rec.settle(_FAILED, TransferError(
+                    f"peer {name!r} refused or stopped the read: {err.reason[:300]}"))
+        elif message.startswith(PCANCEL):
+            self._cancel(name, message[len(PCANCEL):])
+        else:
+            self._serve(name, message[len(PUSH):])
+        return True
+
+    def _settle(self, name: str, rid_bytes: bytes, state: int) -> None:
+        rec = self.reads.get(int.from_bytes(rid_bytes[:8], "little"))
+        if rec is not None and rec.peer.name == name:
+            rec.settle(state)
+
+    def _cancel(self, name: str, rid_bytes: bytes) -> None:
+        rid = int.from_bytes(rid_bytes[:8], "little")
+        job = self.jobs.get((name, rid))
+        if job is not None:
+            job.cancelled = True
+            job.wake.set()
+            return
+        peer = self._peers.by_name.get(name)
+        if peer is not None:  # nothing of it is under way: say so at once
+            self._send(peer, PGONE + _rid_bytes(rid))
+
+    def _refuse(self, peer: Peer, rid: int, reason: str) -> None:
+        self.refused += 1
+        self._noisy.log(logging.WARNING, "push-refused", "refused a push read from %r: %s",
+                        peer.name, reason)
+        self._send(peer, PERR + _encoder.encode(PushError(rid, reason)))
+
+    def _send(self, peer: Peer, message: bytes) -> None:
+        agent = self._transfers.agent
+        if agent is None or not peer.connected:
+            return
+        try:
+            agent.send_notif(peer.name, message)
+        except PeerDisconnectedError as exc:
+            self._peers.evict(peer, exc)
+        except AionixlError as exc:
+            self._noisy.log(logging.INFO, "push-send", "telling %r about a push: %s", peer.name, exc)
+
+    def _serve(self, name: str, payload: bytes) -> None:
+        peer = self._peers.by_name.get(name)
+        if peer is None:
+            self._noisy.log(logging.WARNING, "push-unknown", "push request from %r, which is not "
+                            "an admitted peer: ignored", name[:80])
+            return
+        if len(payload) > _MAX_REQUEST:
+            return self._refuse(peer, 0, "request too large")
+        try:
+            req = _request_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._refuse(peer, 0, f"malformed push request: {exc}")
+        try:
+            chunks = self._chunks(peer, req)
+        except ValueError as exc:
+            return self._refuse(peer, req.rid, str(exc))
+        key = (name, req.rid)
+        if key in self.jobs:
+            return self._refuse(peer, req.rid, "request id already in use")
+        if self._per_peer.get(name, 0) >= self._config.max_pushes_per_peer:
+            return self._refuse(peer, req.rid, f"busy: {self._config.max_pushes_per_peer} reads "
+                                "of this peer are already under way")
+        if self._tg is None or self._closing:
+            return self._refuse(peer, req.rid, "the engine is closing")
+        limit = min(req.timeout, self._config.transfer_timeout) + self._config.push_cancel_timeout
+        job = _Job(peer, req.rid, chunks, anyio.current_time() + limit, req.notify)
+        self.jobs[key] = job
+        self._per_peer[name] = self._per_peer.get(name, 0) + 1
+        self._tg.start_soon(self._push, job)
+
+    def _chunks(self, peer: Peer, req: PushRequest) -> list[tuple[IndexArray, IndexArray]]:
+        """Validate every id of a request; the (source, destination) indices per chunk."""
+        if req.rid < 0 or req.rid >= 2**63:
+            raise ValueError("bad request id")
+        if not req.timeout > 0:  # also refuses NaN
+            raise ValueError("bad timeout")
+        if req.notify.startswith(RESERVED):
+            raise ValueError("notify uses the reserved prefix")
+        if len(req.dst) != len(req.src) or not req.dst or len(req.dst) % 4:
+            raise ValueError("block id lists are empty, unequal or not int32")
+        dst = np.frombuffer(req.dst, dtype="<i4").astype(np.int32)
+        src = np.frombuffer(req.src, dtype="<i4").astype(np.int32)
+        own_blocks = self._transfers._num_blocks
+        if dst.min() < 0 or dst.max() >= peer.num_blocks:
+            raise ValueError(f"destination block id out of range [0, {peer.num_blocks})")
+        if src.min() < 0 or src.max() >= own_blocks:
+            raise ValueError(f"source block id out of range [0, {own_blocks})")
+        if dst.size > 1 and np.unique(dst).size != dst.size:
+            raise ValueError("destination names the same block more than once")
+        per_chunk = max(1, self._config.push_chunk_bytes // self._transfers._bytes_per_block)
+        return [(descriptor_indices(self._transfers._offsets, src[i:i + per_chunk]),
+                 descriptor_indices(peer._offsets, dst[i:i + per_chunk]))
+                for i in range(0, dst.size, per_chunk)]
+
+    async def _push(self, job: _Job) -> None:
+        """Write a job's chunks one at a time; confirm how it ended."""
+        transfers = self._transfers
+        agent = transfers.agent
+        assert agent is not None
+        peer, rid = job.peer, job.rid
+        outcome = "done"
+        try:
+            for n, (src, dst) in enumerate(job.chunks):
+                if job.cancelled or not peer.connected:
+                    outcome = "cancelled"
+                    break
+                last = n == len(job.chunks) - 1
+                try:
+                    handle, status = agent.start_xfer("write", transfers.local_dlist, src, peer._dlist,
+                                                      dst, PDONE + _rid_bytes(rid) if last else b"",
+                                                      self._config.inline_polls)
+                except PeerDisconnectedError as exc:
+                    self._peers.evict(peer, exc)
+                    return
+                except AionixlError as exc:
+                    outcome = f"posting a write failed: {exc}"
+                    break
+                if status == DONE and handle == NO_HANDLE:
+                    continue
+                rec = _InFlight(peer, transfers._new_event)
+                if status != PROC:
+                    transfers.inflight[handle] = rec
+                    rec.finish(status, TransferError("NIXL reported the write failed (ERR)"))
+                else:
+                    transfers.inflight[handle] = rec
+                    transfers._poller_wakeup.set()
+                timed_out = False
+                try:
+                    with anyio.move_on_after(max(0.0, job.deadline - anyio.current_time())):
+                        await rec.event.wait()
+                    timed_out = not rec.event.is_set()
+                finally:
+                    # Cancelled (the engine is closing): leave the record to close(), which
+                    # lets moving transfers finish before it releases them.
+                    if transfers.inflight.get(handle) is rec and (rec.event.is_set() or timed_out):
+                        del transfers.inflight[handle]
+                        transfers._release(agent, handle)
+                if timed_out:
+                    # A chunk stuck past the deadline (cut link): no confirmation; the
+                    # reader's own deadline has passed and it evicts us if need be.
+                    self._noisy.log(logging.WARNING, "push-timeout", "push to %r timed out", peer.name)
+                    return
+                if rec.status != DONE:
+                    if peer.connected and rec.error is not None \
+                            and not isinstance(rec.error, PeerDisconnectedError):
+                        outcome = str(rec.error)
+                        break
+                    return  # the peer was dropped or evicted: nobody to tell
+            if outcome == "done":
+                self.served += 1
+                if job.notify:
+                    self._mailbox.deliver(Notification(peer.name, job.notify))
+                    self._peers.owner._wake_drainer()
+            elif outcome == "cancelled":
+                self._send(peer, PGONE + _rid_bytes(rid))
+            else:
+                self._send(peer, PERR + _encoder.encode(PushError(rid, outcome)))
+        finally:
+            self.jobs.pop((peer.name, rid), None)
+            left = self._per_peer.get(peer.name, 1) - 1
+            if left > 0:
+                self._per_peer[peer.name] = left
+            else:
+                self._per_peer.pop(peer.name, None)
+
+    # ---- peers lost, engine closing -----------------------------------------------------
+
+    def fail_peer(self, peer: Peer, error: AionixlError) -> None:
+        """The peer was dropped: our reads from it fail; pushes to it stop."""
+        for rec in self.reads.values():
+            if rec.peer is peer:
+                rec.settle(_FAILED, error)
+        for job in self.jobs.values():
+            if job.peer is peer:
+                job.cancelled = True
+
+    def fail_all(self, error: AionixlError) -> None:
+        """Closing: waiting readers get ``error``; their reads stay listed for :meth:`close`."""
+        self._closing = True
+        for rec in self.reads.values():
+            if rec.state == _OPEN:
+                rec.error = error
+                rec.event.set()
+
+    async def close(self, deadline_at: float) -> None:
+        """Ask every server still pushing into us to stop, and wait (bounded) until it did.
+
+        The drainer is gone by now, so this reads notifications itself.
+        """
+        agent = self._transfers.agent
+        if agent is None:
+            return
+        open_reads = [r for r in self.reads.values() if r.state == _OPEN and r.peer.connected]
+        for rec in open_reads:
+            try:
+                agent.send_notif(rec.peer.name, PCANCEL + _rid_bytes(rec.rid))
+            except AionixlError:
+                rec.state = _GONE  # its connection is gone: nothing can land
+        end = min(deadline_at, anyio.current_time() + self._config.push_cancel_timeout)
+        while any(r.state == _OPEN for r in open_reads) and anyio.current_time() < end:
+            try:
+                notifs = agent.get_notifs()
+            except AionixlError:
+                break
+            for name, messages in notifs.items():
+                for message in messages:
+                    if message.startswith((PDONE, PGONE, PERR)):
+                        self.heard(name, message)
+            await anyio.sleep(0.0005)
+        self.reads.clear()
+
+    async def fence_get(self, peer: Peer, local_idx: Indices, remote_idx: Indices) -> None:
+        """After an aborted GET: one more small READ from the same peer, or evict it.
+
+        Its completion includes a flush of the UCX endpoint, which finishes only after every
+        earlier operation on it did: the aborted read can write nothing after that. It
+        reads the first descriptor of the aborted read again (bytes that read was allowed
+        to write). Skipped for a closing engine (its connections close) and a lost peer.
+        """
+        transfers = self._transfers
+        agent = transfers.agent
+        if agent is None or not peer.connected or self._closing \
+                or self._peers.owner._state not in (OPEN, DRAINING):
+            return
+        limit = self._config.push_cancel_timeout
+        with anyio.CancelScope(shield=True):
+            try:
+                handle, status = agent.start_xfer("read", transfers.local_dlist, [int(local_idx[0])],
+                                                  peer._dlist, [int(remote_idx[0])], b"", 1)
+                if status is not DONE or handle != NO_HANDLE:
+                    await transfers._finish(peer, handle, status, limit)
+            except TransferTimeoutError:
+                if peer.connected:
+                    self.fenced_evictions += 1
+                    self._peers.evict(peer, TransferError(
+                        f"an aborted read was not fenced within {limit} s"))
+            except AionixlError:
+                pass  # the fence failed: the peer was evicted, its connection closed
