@@ -402,14 +402,14 @@ class Transfers:
                 await batch.event.wait()
             except BaseException:
                 if batch.status == PROC:
-                    self._leave(batch, entry)
+                    await self._leave(batch, entry)
                 else:
                     self._retire(batch)
                 raise
             if batch.status != PROC:
                 break
             if time.perf_counter() >= entry[5]:
-                self._leave(batch, entry)
+                await self._leave(batch, entry)
                 raise TransferTimeoutError(
                     f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
                     "it was aborted")
@@ -424,7 +424,7 @@ class Transfers:
         return self.metrics.done(batch.op, entry[2], started, batch.posted_at, batch.finished_at, now,
                                  None)
 
-    def _leave(self, batch: _Batch, entry: _Entry) -> None:
+    async def _leave(self, batch: _Batch, entry: _Entry) -> None:
         """A member gives up (timeout, cancelled) before its merged request finished.
 
         Not posted yet: its blocks are taken out. Posted: the request is aborted (as a
@@ -450,8 +450,12 @@ class Transfers:
             pass  # the poller reports the failure to the others
         batch.entries.remove(entry)
         self._retire(batch)  # abort
+        batch.handle = NO_HANDLE
+        if batch.op == "read" and self.push is not None:
+            # An aborted GET may still be writing: fence it (or evict the peer) before this
+            # caller returns and before the others' blocks are read again.
+            await self.push.fence_get(batch.peer, entry[0], entry[1])
         if batch.live > 0:
-            batch.handle = NO_HANDLE
             self.reposts += 1
             self._post(batch)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import aionixl
-from aionixl.testing import RemoteEngine, assert_blocks_equal
+from aionixl.testing import RemoteEngine
 
 from .conftest import engine_pair, numpy_cache, unique, zero_resources
 
@@ -165,9 +165,12 @@ GEOMETRY: dict[str, Any] = {"num_blocks": BLOCKS, "block_shape": (BLOCK_BYTES,),
 
 
 async def test_cancelling_one_member_leaves_the_others_correct() -> None:
-    """Over TCP with the peer stopped, a merged read stays in flight; one member is
-    cancelled, the others still get their bytes once the peer resumes."""
-    local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    """Over TCP with the peer stopped, a merged write stays in flight; one member is
+    cancelled: the request is aborted and posted again for the others, whose blocks land
+    once the peer resumes. (Writes: a GET over TCP that is aborted must be fenced, and a
+    stopped peer cannot answer the fence: it is evicted, see the read modes.)"""
+    local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=21)
+    source = [r.copy() for r in local]
     config = aionixl.EngineConfig(coalesce_window=0.05)
     async with RemoteEngine(seed=11, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
             aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
@@ -179,18 +182,16 @@ async def test_cancelling_one_member_leaves_the_others_correct() -> None:
             cancelled: list[int] = []
             scopes: dict[int, anyio.CancelScope] = {}
 
-            async def read(i: int) -> None:
+            async def write(i: int) -> None:
                 with anyio.CancelScope() as scope:
                     scopes[i] = scope
-                    done[i] = await eng.transfer_blocks(peer, [i], [i], timeout=30)
+                    done[i] = await eng.transfer_blocks(peer, [i], [i], op="write", timeout=30)
                 if scope.cancelled_caught:
                     cancelled.append(i)
-                    for region in range(REGIONS):
-                        local[region][i] = 0xAB  # the caller reuses its block at once
 
             async with anyio.create_task_group() as tg:
                 for i in range(1, 9):
-                    tg.start_soon(read, i)
+                    tg.start_soon(write, i)
                 await anyio.sleep(0.3)
                 assert eng.live_resources()["in_flight"] >= 1
                 scopes[4].cancel()
@@ -201,16 +202,20 @@ async def test_cancelling_one_member_leaves_the_others_correct() -> None:
         assert cancelled == [4]
         assert sorted(done) == [1, 2, 3, 5, 6, 7, 8]
         assert eng._transfers.reposts >= 1
-        assert_blocks_equal(local, sorted(done), 11, sorted(done), **GEOMETRY)
         assert merged(eng)[0] >= 1
         live = eng.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+        # Read the peer's blocks back (into blocks 32+) and compare with what was written.
+        ok = sorted(done)
+        await eng.transfer_blocks(peer, [32 + i for i in ok], ok, timeout=30)
+        for region in range(REGIONS):
+            assert np.array_equal(local[region][[32 + i for i in ok]], source[region][ok])
     assert zero_resources(eng)
 
 
 async def test_a_peer_killed_under_a_merged_request_fails_every_member() -> None:
     local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=0.05)
+    config = aionixl.EngineConfig(coalesce_window=0.05, read_mode="get")  # GET reads merge
     async with RemoteEngine(seed=12, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
             aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
         peer = await eng.connect(child.address, timeout=30)
@@ -262,9 +267,10 @@ async def test_coalescing_off_posts_one_request_per_call() -> None:
 
 
 async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> None:
-    """A stopped TCP peer keeps a merged read in flight: the member with a short timeout
-    fails at its deadline, the others wait on and get their bytes after the resume."""
-    local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    """A stopped TCP peer keeps a merged write in flight: the members with a short timeout
+    fail at their deadline, the others wait on and their blocks land after the resume."""
+    local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=22)
+    source = [r.copy() for r in local]
     config = aionixl.EngineConfig(coalesce_window=0.05)
     async with RemoteEngine(seed=13, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
             aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
@@ -274,10 +280,10 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
         outcomes: dict[int, object] = {}
         timed: dict[int, float] = {}
 
-        async def read(i: int, timeout: float) -> None:
+        async def write(i: int, timeout: float) -> None:
             start = anyio.current_time()
             try:
-                outcomes[i] = await eng.transfer_blocks(peer, [i], [i], timeout=timeout)
+                outcomes[i] = await eng.transfer_blocks(peer, [i], [i], "write", timeout=timeout)
             except aionixl.TransferTimeoutError as exc:
                 outcomes[i] = exc
             timed[i] = anyio.current_time() - start
@@ -285,7 +291,7 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
         try:
             async with anyio.create_task_group() as tg:
                 for i in range(1, 7):
-                    tg.start_soon(read, i, 0.5 if i in (2, 5) else 30)
+                    tg.start_soon(write, i, 0.5 if i in (2, 5) else 30)
                 await anyio.sleep(1.5)
                 await child.resume()
         finally:
@@ -296,6 +302,8 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
             assert 0.5 <= timed[i] < 1.4, timed[i]
         ok = [1, 3, 4, 6]
         assert all(isinstance(outcomes[i], aionixl.TransferResult) for i in ok), outcomes
-        assert_blocks_equal(local, ok, 13, ok, **GEOMETRY)
+        await eng.transfer_blocks(peer, [32 + i for i in ok], ok, timeout=30)
+        for region in range(REGIONS):
+            assert np.array_equal(local[region][[32 + i for i in ok]], source[region][ok])
         live = eng.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
