@@ -92,7 +92,7 @@ class Peer:
 
     __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
                  "_offset_list", "_metadata", "_engine", "_connected", "_lost", "_one_block", "_foreign",
-                 "read_mode", "_push")
+                 "read_mode", "_push", "_revive")
 
     def __init__(self, engine: Any, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes,
@@ -116,6 +116,9 @@ class Peer:
         #: Not an aionixl engine (a vLLM prefill): it gets no probe and no goodbye, which
         #: it would take for a request's notification.
         self._foreign = False
+        #: Evicted only to fence an unconfirmed cancelled read (the peer itself may be
+        #: fine): the next transfer with this object reconnects to ``address`` and reuses it.
+        self._revive = False
         #: How reads from this peer move data: "get" (one-sided NIXL READ) or "push" (the
         #: peer's engine writes into our blocks); chosen at the handshake (EngineConfig.read_mode).
         self.read_mode: str = "get"
@@ -140,6 +143,9 @@ class PeerTable:
         self.push: Pusher | None = None  # push reads (_push.py); set by the engine
         self.by_name: dict[str, Peer] = {}
         self.by_address: dict[str, Peer] = {}
+        #: Peers evicted to fence a read, by address: a handshake with the same engine
+        #: there brings the same Peer object back (see Peer._revive).
+        self.revivable: dict[str, Peer] = {}
         self.evicted = 0
         self.evictions = dict.fromkeys(EVICTION_CAUSES, 0)  # by cause; sums to evicted
         self.noisy = self._noisy = noisy
@@ -196,8 +202,13 @@ class PeerTable:
         except AionixlError:
             _attempt(agent.remove_remote, name, [])
             raise
-        peer = Peer(self.owner, name, address, remote, dlist, metadata,
-                    frozenset(f for f in features if f in FEATURES), host)
+        known = frozenset(f for f in features if f in FEATURES)
+        old = self.revivable.pop(address, None) if address is not None else None
+        if old is not None and old.name == name:
+            old.__init__(self.owner, name, address, remote, dlist, metadata, known, host)  # type: ignore[misc]
+            peer = old
+        else:
+            peer = Peer(self.owner, name, address, remote, dlist, metadata, known, host)
         if self.push is not None:
             peer.read_mode = self.push.mode_for(peer.features, peer.host)
             peer._push = peer.read_mode == "push"
@@ -235,6 +246,8 @@ class PeerTable:
         peer._connected = False
         if error is not None and peer._lost is None:
             peer._lost = error
+        if peer._revive and peer.address is not None and not peer._foreign:
+            self.revivable[peer.address] = peer
         if self.by_name.get(peer.name) is peer:
             del self.by_name[peer.name]
         if peer.address is not None and self.by_address.get(peer.address) is peer:

@@ -345,6 +345,7 @@ class Pusher:
                     rec.event = anyio.Event()
         if rec.state == _OPEN and peer.connected and not self._closing:
             self.fenced_evictions += 1
+            peer._revive = True
             self._peers.evict(peer, TransferError(
                 f"a cancelled read was not confirmed stopped within {self._config.push_cancel_timeout} s"))
 
@@ -617,6 +618,7 @@ class Pusher:
             except TransferTimeoutError:
                 if peer.connected:
                     self.fenced_evictions += 1
+                    peer._revive = True
                     self._peers.evict(peer, TransferError(
                         f"an aborted read was not fenced within {limit} s"))
             except AionixlError:

