@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import anyio
@@ -107,15 +107,20 @@ class _InFlight:
 class _Batch(_InFlight):
     """One NIXL request carrying the blocks of several callers (its members).
 
-    Members share the record's event; each keeps its own entry (indices, destination
-    blocks, notification) so that one that leaves before the post takes its blocks along.
+    Members sleep on ``waiters`` (the loop's cheapest parking, :class:`LoopTools`); each
+    keeps its own entry (indices, destination blocks, notification) so that one that
+    leaves before the post takes its blocks along.
     """
 
     __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted",
-                 "posted_at", "finished_at")
+                 "posted_at", "finished_at", "waiters", "_unpark_all")
 
-    def __init__(self, peer: Peer, op: Op, new_event: Callable[[], NativeEvent]) -> None:
-        super().__init__(peer, new_event)
+    def __init__(self, peer: Peer, op: Op, unpark_all: Callable[[list[object]], None]) -> None:
+        self.peer = peer
+        self.status = PROC
+        self.error = None
+        self.finished_ns = 0
+        self.deadline = math.inf
         self.op = op
         self.entries: list[_Entry] = []
         self.blocks = 0
@@ -125,10 +130,14 @@ class _Batch(_InFlight):
         self.handle = NO_HANDLE
         self.posted = False
         self.posted_at = self.finished_at = 0.0  # perf_counter(): post returned, end seen
+        self.waiters: list[object] = []
+        self._unpark_all = unpark_all
 
     def finish(self, status: Status, error: AionixlError | None = None) -> None:
+        self.status = status
+        self.error = error
         self.finished_at = time.perf_counter()
-        super().finish(status, error)
+        self._unpark_all(self.waiters)
 
     def add(self, entry: _Entry) -> None:
         self.entries.append(entry)
@@ -143,8 +152,7 @@ class _Batch(_InFlight):
     def expire(self, now: float) -> None:
         """Some member's deadline passed: wake everyone to look (the rest wait again)."""
         self.deadline = min((e[5] for e in self.entries if e[5] > now), default=math.inf)
-        woken, self.event = self.event, self._new_event()
-        woken.set()
+        self._unpark_all(self.waiters)
 
 
 #: (local indices, remote indices, blocks, destination block ids, notification, deadline)
@@ -183,6 +191,8 @@ class Transfers:
         #: callers are arriving together, and this one gathers.
         self._current_task: Callable[[], object] = _no_task
         self._new_event: Callable[[], NativeEvent] = anyio.Event
+        self._park: Callable[[list[object]], Awaitable[None]] = _unbound_park
+        self._unpark_all: Callable[[list[object]], None] = _unbound_unpark_all
         self._last_caller: object = None
         self._last_call = 0.0
         self.merged_requests = 0  # NIXL requests that carried more than one caller
@@ -328,7 +338,7 @@ class Transfers:
     async def _gather(self, peer: Peer, op: Op, entry: _Entry, started: float,
                       limit: float) -> TransferResult:
         """Open a merged request, let the callers arriving with us join, post it."""
-        batch = _Batch(peer, op, self._new_event)
+        batch = _Batch(peer, op, self._unpark_all)
         batch.add(entry)
         key = (peer, op)
         self._gathering[key] = batch
@@ -365,8 +375,7 @@ class Transfers:
         if len(entries) == 1:
             local, remote, _, _, message, _ = entries[0]
         else:
-            local = _concat([e[0] for e in entries])
-            remote = _concat([e[1] for e in entries])
+            local, remote = _merged_indices(entries)
             messages = [e[4] for e in entries if e[4]]
             message = (b"" if not messages else messages[0] if len(messages) == 1
                        else pack_notifications(messages))
@@ -397,40 +406,36 @@ class Transfers:
 
     async def _member(self, batch: _Batch, entry: _Entry, started: float,
                       limit: float) -> TransferResult:
-        """Wait for a merged request as one of its callers; report this caller's part."""
+        """Wait for a merged request as one of its callers; report this caller's part.
+
+        No timer of its own (a cancel scope per member costs more than the transfer): the
+        poller wakes the members when the earliest deadline among them passes.
+        """
         try:
-            return await self._member_wait(batch, entry, started, limit)
+            while batch.status == PROC:
+                try:
+                    await self._park(batch.waiters)
+                except BaseException:
+                    if batch.status == PROC:
+                        await self._leave(batch, entry)
+                    else:
+                        self._retire(batch)
+                    raise
+                if batch.status == PROC and time.perf_counter() >= entry[5]:
+                    await self._leave(batch, entry)
+                    raise TransferTimeoutError(
+                        f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
+                        "it was aborted")
+            self._retire(batch)
+            error = batch.error
+            if error is not None:
+                # A fresh error per caller: several callers share one failure.
+                raise type(error)(str(error)) from error.__cause__
+            if batch.status != DONE:
+                raise TransferError("NIXL reported the transfer failed (ERR)")
         except BaseException as exc:
             self.metrics.failed(exc, batch.peer, batch.op, entry[2], started)
             raise
-
-    async def _member_wait(self, batch: _Batch, entry: _Entry, started: float,
-                           limit: float) -> TransferResult:
-        # No timer of its own (a cancel scope per member costs more than the transfer):
-        # the poller wakes the members when the earliest deadline among them passes.
-        while True:
-            try:
-                await batch.event.wait()
-            except BaseException:
-                if batch.status == PROC:
-                    await self._leave(batch, entry)
-                else:
-                    self._retire(batch)
-                raise
-            if batch.status != PROC:
-                break
-            if time.perf_counter() >= entry[5]:
-                await self._leave(batch, entry)
-                raise TransferTimeoutError(
-                    f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
-                    "it was aborted")
-        self._retire(batch)
-        error = batch.error
-        if error is not None:
-            # A fresh error per caller: several callers share one failure.
-            raise type(error)(str(error)) from error.__cause__
-        if batch.status != DONE:
-            raise TransferError("NIXL reported the transfer failed (ERR)")
         now = self._last_yield = time.perf_counter()
         return self.metrics.done(batch.op, entry[2], started, batch.posted_at, batch.finished_at, now,
                                  None)
@@ -483,6 +488,8 @@ class Transfers:
         tools = loop_tools()
         self._current_task = tools.current_task
         self._new_event = tools.event
+        self._park = tools.park
+        self._unpark_all = tools.unpark_all
 
     # ---- waiting ------------------------------------------------------------------------
 
@@ -638,6 +645,14 @@ def _no_task() -> object:
     return None
 
 
+def _unbound_park(waiters: list[object]) -> Awaitable[None]:
+    raise RuntimeError("Transfers.bind_loop was not called")
+
+
+def _unbound_unpark_all(waiters: list[object]) -> None:
+    raise RuntimeError("Transfers.bind_loop was not called")
+
+
 def _destinations(blocks: Sequence[int] | IndexArray) -> Sequence[int]:
     if isinstance(blocks, list):
         return blocks
@@ -646,13 +661,30 @@ def _destinations(blocks: Sequence[int] | IndexArray) -> Sequence[int]:
     return [int(b) for b in blocks]
 
 
-def _concat(parts: list[Indices]) -> Indices:
-    if all(type(p) is list for p in parts):
-        out: list[int] = []
-        for p in parts:
-            out += p
-        return out
-    return np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
+def _merged_indices(entries: list[_Entry]) -> tuple[IndexArray, IndexArray]:
+    """The members' descriptor indices as one request, ordered by local descriptor.
+
+    Each caller's own indices are region-major, but side by side the callers interleave
+    regions; in local order, blocks that are adjacent on both sides become neighbours,
+    and NIXL merges such runs into one descriptor (64 one-block reads of adjacent blocks
+    cost about a third as much to post). The order within one request changes nothing
+    else: no two members share a destination block.
+    """
+    local: list[int] = []
+    remote: list[int] = []
+    for entry in entries:
+        mine, theirs = entry[0], entry[1]
+        if type(mine) is not list or type(theirs) is not list:  # some caller passed arrays
+            local_array = np.concatenate([np.asarray(e[0], dtype=np.int32) for e in entries])
+            remote_array = np.concatenate([np.asarray(e[1], dtype=np.int32) for e in entries])
+            break
+        local += mine
+        remote += theirs
+    else:
+        local_array = np.array(local, dtype=np.int32)
+        remote_array = np.array(remote, dtype=np.int32)
+    order = np.argsort(local_array, kind="stable")
+    return local_array[order], remote_array[order]
 
 
 def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> None:

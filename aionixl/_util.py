@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, NamedTuple, Protocol
 
@@ -21,6 +21,11 @@ class LoopTools(NamedTuple):
 
     current_task: Callable[[], object]
     event: Callable[[], NativeEvent]
+    #: ``await park(waiters)`` sleeps until ``unpark_all(waiters)``; a cancelled sleeper
+    #: drops out alone (the others stay parked). Many callers of one merged request wait
+    #: this way: a bare future (asyncio) or a parked task (trio), no event object per wait.
+    park: Callable[[list[Any]], Awaitable[None]]
+    unpark_all: Callable[[list[Any]], None]
 
 
 class NativeEvent(Protocol):
@@ -36,7 +41,7 @@ def loop_tools() -> LoopTools:
         import trio.lowlevel
 
         trio.lowlevel.current_task()  # raises RuntimeError outside a trio run
-        return LoopTools(trio.lowlevel.current_task, trio.Event)
+        return _trio_tools(trio)
     except (ImportError, RuntimeError):
         import asyncio
         import asyncio.tasks
@@ -44,7 +49,23 @@ def loop_tools() -> LoopTools:
         loop = asyncio.get_running_loop()
         # The running task of this loop, read straight from asyncio's own table.
         current = functools.partial(asyncio.tasks._current_tasks.get, loop)  # type: ignore[attr-defined]
-        return LoopTools(current, asyncio.Event)
+        new_future = loop.create_future
+
+        def park(waiters: list[Any]) -> Awaitable[None]:
+            # One future per sleeper: cancelling a task cancels the future it awaits, and
+            # that must not touch the others.
+            future = new_future()
+            waiters.append(future)
+            return future
+
+        return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all)
+
+
+def _asyncio_unpark_all(waiters: list[Any]) -> None:
+    for future in waiters:
+        if not future.done():
+            future.set_result(None)
+    waiters.clear()
 
 
 def deadline(seconds: float) -> ContextManager[anyio.CancelScope]:
@@ -63,3 +84,27 @@ def single_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+def _trio_tools(trio: Any) -> LoopTools:
+    lowlevel = trio.lowlevel
+    current_task, reschedule, wait = lowlevel.current_task, lowlevel.reschedule, \
+        lowlevel.wait_task_rescheduled
+    succeeded = lowlevel.Abort.SUCCEEDED
+
+    async def park(waiters: list[Any]) -> None:
+        task = current_task()
+        waiters.append(task)
+
+        def abort(_: object) -> Any:
+            waiters.remove(task)  # still listed: unpark_all empties the list as it wakes
+            return succeeded
+
+        await wait(abort)
+
+    def unpark_all(waiters: list[Any]) -> None:
+        for task in waiters:
+            reschedule(task)
+        waiters.clear()
+
+    return LoopTools(current_task, trio.Event, park, unpark_all)
