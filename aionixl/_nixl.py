@@ -49,6 +49,7 @@ _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
 _CREATE_ERRORS: tuple[type[BaseException], ...] = (*_NIXL_ERRORS, RuntimeError)
 _DISCONNECT = _bind.nixlRemoteDisconnectError
 _perf = time.perf_counter
+_ALL_BACKENDS: tuple[int, ...] = ()  # let NIXL choose the backend
 
 Kind = Literal["transfer", "handshake", "setup"]
 
@@ -215,7 +216,7 @@ class Agent:
         raw = self._raw
         try:
             handle: int = raw.makeXferReq(_OPS[op], local, local_idx, remote, remote_idx,
-                                          notify, [], False)
+                                          notify, _ALL_BACKENDS, False)
         except _NIXL_ERRORS as exc:
             raise translate(exc, "transfer", "creating a transfer") from exc
         try:
