@@ -100,6 +100,36 @@ async def wave(transfer: Any, peer: aionixl.Peer, width: int, blocks: int) -> fl
         return time.perf_counter() - t
 
 
+async def floor(widths: list[int], blocks: int, transfers: int, repeats: int,
+                suspend: bool) -> dict[int, list[float]]:
+    """The harness alone: each caller's transfer replaced by nothing, or by one suspension.
+
+    No transfer engine on this event loop can beat this: a caller that waits for a merged
+    request has to suspend at least once, and its wake-up costs what this row shows.
+    """
+    async def nothing(peer: Any, local: list[int], remote: list[int]) -> None:
+        if suspend:
+            await anyio.lowlevel.checkpoint()
+
+    out: dict[int, list[float]] = {}
+    for width in widths:
+        rounds = max(1, transfers // width)
+        results = []
+        for rep in range(repeats + 1):
+            spent = 0.0
+            for _ in range(rounds):
+                if width == 1:
+                    t = time.perf_counter()
+                    await nothing(None, [3], [3])
+                    spent += time.perf_counter() - t
+                else:
+                    spent += await wave(nothing, None, width, blocks)  # type: ignore[arg-type]
+            if rep:
+                results.append(spent / (rounds * width))
+        out[width] = results
+    return out
+
+
 async def engine(widths: list[int], regions: int, blocks: int, block_bytes: int, transfers: int,
                  repeats: int, coalesce: bool, spawn: bool) -> dict[int, list[float]]:
     src = [np.full((blocks, block_bytes), 7, np.uint8) for _ in range(regions)]
@@ -148,6 +178,7 @@ def main() -> None:
     p.add_argument("--spawn", action="store_true", help="a new task per call, inside the timing")
     p.add_argument("--backends", nargs="+", default=["asyncio", "trio"])
     p.add_argument("--no-baseline-off", action="store_true", help="skip the coalesce=False rows")
+    p.add_argument("--no-floor", action="store_true", help="skip the harness-floor rows")
     args = p.parse_args()
     blocks = max(args.widths)
     shape = (args.widths, args.regions, blocks, args.block_bytes)
@@ -158,6 +189,11 @@ def main() -> None:
             name = f"aionixl {backend}{'' if coalesce else ' (no coalescing)'}"
             rows[name] = anyio.run(engine, *shape, args.transfers, args.repeats, coalesce, args.spawn,
                                    backend=backend)
+        if not args.no_floor and not args.spawn:
+            for suspend in (False, True):
+                name = f"floor {backend} ({'one suspension' if suspend else 'no await'})"
+                rows[name] = anyio.run(floor, args.widths, blocks, args.transfers, args.repeats,
+                                       suspend, backend=backend)
     base = {w: statistics.median(v) for w, v in rows["bare NIXL batched"].items()}
     first = args.widths[0]
     print(f"one-block reads, {args.regions} regions x {args.block_bytes} B, in one process; "
