@@ -14,7 +14,8 @@ being gathered), it gathers: it yields once, and the calls to the same peer with
 op that arrive meanwhile join it. Then one NIXL request carries all their blocks, and all
 their notifications (packed into one reserved notification the peer unpacks: it arrives
 after the data, like any NIXL notification). Each caller keeps its own ids (validated
-before it joins), deadline, result and error. A lone caller never gathers.
+before it joins), deadline, result and error. A lone caller never gathers. The common
+member (one block, joining) waits inline in ``transfer_blocks``: no second coroutine.
 """
 
 from __future__ import annotations
@@ -139,24 +140,38 @@ class _Batch(_InFlight):
         self.finished_at = time.perf_counter()
         self._unpark_all(self.waiters)
 
-    def add(self, entry: _Entry) -> None:
+    def add(self, entry: _Entry, dests: Sequence[int]) -> None:
         self.entries.append(entry)
         self.blocks += entry[2]
-        self.dests.update(entry[3])
-        if entry[4]:
+        self.dests.update(dests)
+        if entry[3]:
             self.messages += 1
         self.live += 1
-        if entry[5] < self.deadline:
-            self.deadline = entry[5]
+        if entry[4] < self.deadline:
+            self.deadline = entry[4]
+
+    def join(self, entry: _Entry, dest: int) -> None:
+        """:meth:`add` for a one-block call (the commonest member)."""
+        self.entries.append(entry)
+        self.blocks += 1
+        self.dests.add(dest)
+        if entry[3]:
+            self.messages += 1
+        self.live += 1
+        if entry[4] < self.deadline:
+            self.deadline = entry[4]
 
     def expire(self, now: float) -> None:
         """Some member's deadline passed: wake everyone to look (the rest wait again)."""
-        self.deadline = min((e[5] for e in self.entries if e[5] > now), default=math.inf)
+        self.deadline = min((e[4] for e in self.entries if e[4] > now), default=math.inf)
         self._unpark_all(self.waiters)
 
 
-#: (local indices, remote indices, blocks, destination block ids, notification, deadline)
-_Entry = tuple[Indices, Indices, int, Sequence[int], bytes, float]
+#: (local indices, remote indices, blocks, notification, deadline)
+_Entry = tuple[Indices, Indices, int, bytes, float]
+
+#: ``_last_caller`` after a call joined a merged request: any task calling next is another.
+_JOINED = object()
 
 #: How long transfer_blocks may finish transfers inline before it yields to the loop: long
 #: while the loop has nothing else to run, short once a yield shows others were waiting
@@ -193,6 +208,7 @@ class Transfers:
         self._new_event: Callable[[], NativeEvent] = anyio.Event
         self._park: Callable[[list[object]], Awaitable[None]] = _unbound_park
         self._unpark_all: Callable[[list[object]], None] = _unbound_unpark_all
+        self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._last_caller: object = None
         self._last_call = 0.0
         self.merged_requests = 0  # NIXL requests that carried more than one caller
@@ -267,20 +283,46 @@ class Transfers:
         assert agent is not None and local_idx is not None and remote_idx is not None
         started = time.perf_counter()
         if self._coalesce:
-            caller = self._current_task()
             gathering = self._gathering.get((peer, op)) if self._gathering else None
-            together = gathering is not None or (caller is not self._last_caller
-                                                 and started - self._last_call < self._window)
-            self._last_caller, self._last_call = caller, started
+            if gathering is None:
+                caller = self._current_task()
+                together = caller is not self._last_caller and started - self._last_call < self._window
+                self._last_caller = caller
+            else:
+                # Joining needs no task lookup; whoever calls next is "another task".
+                together = True
+                self._last_caller = _JOINED
+            self._last_call = started
             if together and (not message or MULTI_NOTIFY in peer.features):
-                dest = _destinations(local_blocks if op == "read" else remote_blocks)
                 limit = self._config.transfer_timeout if timeout is None else timeout
-                entry: _Entry = (local_idx, remote_idx, nblocks, dest, message, started + limit)
+                entry: _Entry = (local_idx, remote_idx, nblocks, message, started + limit)
+                dest = local_blocks if op == "read" else remote_blocks
+                if nblocks == 1 and type(dest) is list:
+                    one = dest[0]
+                    if gathering is not None and gathering.blocks < self._max_merged \
+                            and one not in gathering.dests:
+                        gathering.join(entry, one)
+                        # The commonest wait, inline: park until the merged request ends.
+                        try:
+                            await self._park(gathering.waiters)
+                        except BaseException as exc:
+                            await self._abandon(gathering, entry)
+                            self.metrics.failed(exc, peer, op, 1, started)
+                            raise
+                        if gathering.status == DONE and gathering.error is None:
+                            self._retire(gathering)
+                            now = self._last_yield = time.perf_counter()
+                            return self.metrics.done(op, 1, started, gathering.posted_at,
+                                                     gathering.finished_at, now, None)
+                        return await self._member(gathering, entry, started, limit, True)
+                    dests: Sequence[int] = (one,)
+                else:
+                    dests = _destinations(dest)
                 if gathering is not None and gathering.blocks + nblocks <= self._max_merged \
-                        and gathering.dests.isdisjoint(dest):
-                    gathering.add(entry)
+                        and gathering.dests.isdisjoint(dests):
+                    gathering.add(entry, dests)
                     return await self._member(gathering, entry, started, limit)
-                return await self._gather(peer, op, entry, started, limit)
+                return await self._gather(peer, op, entry, dests, started, limit)
         try:
             handle, status = agent.start_xfer(op, self.local_dlist, local_idx, peer._dlist,
                                               remote_idx, message, self._inline_polls)
@@ -335,22 +377,31 @@ class Transfers:
 
     # ---- coalescing ---------------------------------------------------------------------
 
-    async def _gather(self, peer: Peer, op: Op, entry: _Entry, started: float,
-                      limit: float) -> TransferResult:
+    async def _gather(self, peer: Peer, op: Op, entry: _Entry, dests: Sequence[int],
+                      started: float, limit: float) -> TransferResult:
         """Open a merged request, let the callers arriving with us join, post it."""
         batch = _Batch(peer, op, self._unpark_all)
-        batch.add(entry)
+        batch.add(entry, dests)
         key = (peer, op)
         self._gathering[key] = batch
         try:
             # One trip through the loop: the callers already scheduled run now and join.
-            # Shielded, so that the others are never left with nobody to post for them.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-        finally:
-            if self._gathering.get(key) is batch:
-                del self._gathering[key]
+            await self._yield_now()
+        except BaseException as exc:
+            # Cancelled while gathering: the others go out all the same, without us.
+            self._stop_gathering(key, batch)
+            batch.live -= 1
+            batch.entries.remove(entry)
+            self._post(batch)
+            self.metrics.failed(exc, peer, op, entry[2], started)
+            raise
+        self._stop_gathering(key, batch)
         self._post(batch)
         return await self._member(batch, entry, started, limit)
+
+    def _stop_gathering(self, key: tuple[Peer, Op], batch: _Batch) -> None:
+        if self._gathering.get(key) is batch:
+            del self._gathering[key]
 
     def _post(self, batch: _Batch) -> None:
         """Post a gathered request (or fail it, if its peer or the engine went away)."""
@@ -373,10 +424,10 @@ class Transfers:
             return
         entries = batch.entries
         if len(entries) == 1:
-            local, remote, _, _, message, _ = entries[0]
+            local, remote, _, message, _ = entries[0]
         else:
             local, remote = _merged_indices(entries)
-            messages = [e[4] for e in entries if e[4]]
+            messages = [e[3] for e in entries if e[3]]
             message = (b"" if not messages else messages[0] if len(messages) == 1
                        else pack_notifications(messages))
             self.merged_requests += 1
@@ -404,28 +455,27 @@ class Transfers:
         else:
             self._peers.evict(peer, TransferError("NIXL reported the transfer failed (ERR)"))
 
-    async def _member(self, batch: _Batch, entry: _Entry, started: float,
-                      limit: float) -> TransferResult:
+    async def _member(self, batch: _Batch, entry: _Entry, started: float, limit: float,
+                      woken: bool = False) -> TransferResult:
         """Wait for a merged request as one of its callers; report this caller's part.
 
         No timer of its own (a cancel scope per member costs more than the transfer): the
-        poller wakes the members when the earliest deadline among them passes.
+        poller wakes the members when the earliest deadline among them passes. ``woken``:
+        the caller parked once already (inline) and was woken, so look at the clock first.
         """
         try:
             while batch.status == PROC:
-                try:
-                    await self._park(batch.waiters)
-                except BaseException:
-                    if batch.status == PROC:
-                        await self._leave(batch, entry)
-                    else:
-                        self._retire(batch)
-                    raise
-                if batch.status == PROC and time.perf_counter() >= entry[5]:
+                if woken and time.perf_counter() >= entry[4]:
                     await self._leave(batch, entry)
                     raise TransferTimeoutError(
                         f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
                         "it was aborted")
+                try:
+                    await self._park(batch.waiters)
+                except BaseException:
+                    await self._abandon(batch, entry)
+                    raise
+                woken = True
             self._retire(batch)
             error = batch.error
             if error is not None:
@@ -439,6 +489,13 @@ class Transfers:
         now = self._last_yield = time.perf_counter()
         return self.metrics.done(batch.op, entry[2], started, batch.posted_at, batch.finished_at, now,
                                  None)
+
+    async def _abandon(self, batch: _Batch, entry: _Entry) -> None:
+        """A parked member was cancelled (or interrupted): take its part out."""
+        if batch.status == PROC:
+            await self._leave(batch, entry)
+        else:
+            self._retire(batch)
 
     async def _leave(self, batch: _Batch, entry: _Entry) -> None:
         """A member gives up (timeout, cancelled) before its merged request finished.
@@ -490,6 +547,7 @@ class Transfers:
         self._new_event = tools.event
         self._park = tools.park
         self._unpark_all = tools.unpark_all
+        self._yield_now = tools.yield_now
 
     # ---- waiting ------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, NamedTuple, Protocol
 
@@ -26,6 +26,8 @@ class LoopTools(NamedTuple):
     #: this way: a bare future (asyncio) or a parked task (trio), no event object per wait.
     park: Callable[[list[Any]], Awaitable[None]]
     unpark_all: Callable[[list[Any]], None]
+    #: One trip through the loop (the tasks already scheduled run first); cancellable.
+    yield_now: Callable[[], Awaitable[None]]
 
 
 class NativeEvent(Protocol):
@@ -58,7 +60,24 @@ def loop_tools() -> LoopTools:
             waiters.append(future)
             return future
 
-        return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all)
+        return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all, _asyncio_yield)
+
+
+class _AsyncioYield:
+    """``await`` it to go once through an asyncio loop: a bare yield, which the task
+    answers by scheduling its next step behind everything already scheduled."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield
+
+
+_ASYNCIO_YIELD = _AsyncioYield()
+
+
+def _asyncio_yield() -> Awaitable[None]:
+    return _ASYNCIO_YIELD
 
 
 def _asyncio_unpark_all(waiters: list[Any]) -> None:
@@ -92,19 +111,27 @@ def _trio_tools(trio: Any) -> LoopTools:
         lowlevel.wait_task_rescheduled
     succeeded = lowlevel.Abort.SUCCEEDED
 
-    async def park(waiters: list[Any]) -> None:
-        task = current_task()
-        waiters.append(task)
+    class Parked:
+        """A parked task, and its abort function (one object per sleeper, no closure)."""
 
-        def abort(_: object) -> Any:
-            waiters.remove(task)  # still listed: unpark_all empties the list as it wakes
+        __slots__ = ("task", "waiters")
+
+        def __init__(self, task: Any, waiters: list[Any]) -> None:
+            self.task = task
+            self.waiters = waiters
+
+        def __call__(self, _: object) -> Any:
+            self.waiters.remove(self)  # still listed: unpark_all empties the list as it wakes
             return succeeded
 
-        await wait(abort)
+    def park(waiters: list[Any]) -> Awaitable[None]:
+        parked = Parked(current_task(), waiters)
+        waiters.append(parked)
+        return wait(parked)  # type: ignore[no-any-return]
 
     def unpark_all(waiters: list[Any]) -> None:
-        for task in waiters:
-            reschedule(task)
+        for parked in waiters:
+            reschedule(parked.task)
         waiters.clear()
 
-    return LoopTools(current_task, trio.Event, park, unpark_all)
+    return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint)
