@@ -114,9 +114,10 @@ class _Batch(_InFlight):
     """
 
     __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted",
-                 "posted_at", "finished_at", "waiters", "_unpark_all")
+                 "posted_at", "finished_at", "waiters", "_wake", "_unpark_all")
 
-    def __init__(self, peer: Peer, op: Op, unpark_all: Callable[[list[object]], None]) -> None:
+    def __init__(self, peer: Peer, op: Op, wake: Callable[[list[object]], None],
+                 unpark_all: Callable[[list[object]], int]) -> None:
         self.peer = peer
         self.status = PROC
         self.error = None
@@ -132,13 +133,14 @@ class _Batch(_InFlight):
         self.posted = False
         self.posted_at = self.finished_at = 0.0  # perf_counter(): post returned, end seen
         self.waiters: list[object] = []
+        self._wake = wake  # wakes the members at the end (Transfers._wake_members)
         self._unpark_all = unpark_all
 
     def finish(self, status: Status, error: AionixlError | None = None) -> None:
         self.status = status
         self.error = error
         self.finished_at = time.perf_counter()
-        self._unpark_all(self.waiters)
+        self._wake(self.waiters)
 
     def add(self, entry: _Entry, dests: Sequence[int]) -> None:
         self.entries.append(entry)
@@ -182,6 +184,10 @@ _CROWDED = 0.0002
 
 _ONE_BLOCK_CACHE = 4096
 
+#: How long after a merged request ended its members still count as arriving together
+#: (a bound, in case one of them never runs again).
+_RETURNING = 0.05
+
 
 class Transfers:
     """Every transfer of one engine, from post to release."""
@@ -207,10 +213,15 @@ class Transfers:
         self._current_task: Callable[[], object] = _no_task
         self._new_event: Callable[[], NativeEvent] = anyio.Event
         self._park: Callable[[list[object]], Awaitable[None]] = _unbound_park
-        self._unpark_all: Callable[[list[object]], None] = _unbound_unpark_all
+        self._unpark_all: Callable[[list[object]], int] = _unbound_unpark_all
         self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._last_caller: object = None
         self._last_call = 0.0
+        #: Members woken by the end of their merged request that have not run again yet
+        #: (about: a cancelled one may be counted), and when the last were woken. While
+        #: there are any, a call comes "together" with theirs.
+        self._returning = 0
+        self._woke_at = -math.inf
         self.merged_requests = 0  # NIXL requests that carried more than one caller
         self.merged_calls = 0  # calls that rode in one of them
         self.reposts = 0  # merged requests posted again after a member left
@@ -286,7 +297,8 @@ class Transfers:
             gathering = self._gathering.get((peer, op)) if self._gathering else None
             if gathering is None:
                 caller = self._current_task()
-                together = caller is not self._last_caller and started - self._last_call < self._window
+                together = (caller is not self._last_caller and started - self._last_call < self._window) \
+                    or (self._returning > 0 and started - self._woke_at < _RETURNING)
                 self._last_caller = caller
             else:
                 # Joining needs no task lookup; whoever calls next is "another task".
@@ -309,6 +321,8 @@ class Transfers:
                             await self._abandon(gathering, entry)
                             self.metrics.failed(exc, peer, op, 1, started)
                             raise
+                        if gathering.status != PROC:
+                            self._returning -= 1
                         if gathering.status == DONE and gathering.error is None:
                             self._retire(gathering)
                             now = self._last_yield = time.perf_counter()
@@ -380,7 +394,7 @@ class Transfers:
     async def _gather(self, peer: Peer, op: Op, entry: _Entry, dests: Sequence[int],
                       started: float, limit: float) -> TransferResult:
         """Open a merged request, let the callers arriving with us join, post it."""
-        batch = _Batch(peer, op, self._unpark_all)
+        batch = _Batch(peer, op, self._wake_members, self._unpark_all)
         batch.add(entry, dests)
         key = (peer, op)
         self._gathering[key] = batch
@@ -398,6 +412,14 @@ class Transfers:
         self._stop_gathering(key, batch)
         self._post(batch)
         return await self._member(batch, entry, started, limit)
+
+    def _wake_members(self, waiters: list[object]) -> None:
+        """A merged request ended: wake its members, counted as returning (see ``_returning``)."""
+        now = time.perf_counter()
+        if self._returning < 0 or now - self._woke_at > _RETURNING:
+            self._returning = 0  # whatever was miscounted is forgotten
+        self._returning += self._unpark_all(waiters)
+        self._woke_at = now
 
     def _stop_gathering(self, key: tuple[Peer, Op], batch: _Batch) -> None:
         if self._gathering.get(key) is batch:
@@ -476,6 +498,8 @@ class Transfers:
                     await self._abandon(batch, entry)
                     raise
                 woken = True
+                if batch.status != PROC:
+                    self._returning -= 1
             self._retire(batch)
             error = batch.error
             if error is not None:
@@ -707,7 +731,7 @@ def _unbound_park(waiters: list[object]) -> Awaitable[None]:
     raise RuntimeError("Transfers.bind_loop was not called")
 
 
-def _unbound_unpark_all(waiters: list[object]) -> None:
+def _unbound_unpark_all(waiters: list[object]) -> int:
     raise RuntimeError("Transfers.bind_loop was not called")
 
 

@@ -25,7 +25,7 @@ class LoopTools(NamedTuple):
     #: drops out alone (the others stay parked). Many callers of one merged request wait
     #: this way: a bare future (asyncio) or a parked task (trio), no event object per wait.
     park: Callable[[list[Any]], Awaitable[None]]
-    unpark_all: Callable[[list[Any]], None]
+    unpark_all: Callable[[list[Any]], int]  # returns how many it woke
     #: One trip through the loop (the tasks already scheduled run first); cancellable.
     yield_now: Callable[[], Awaitable[None]]
 
@@ -80,11 +80,14 @@ def _asyncio_yield() -> Awaitable[None]:
     return _ASYNCIO_YIELD
 
 
-def _asyncio_unpark_all(waiters: list[Any]) -> None:
+def _asyncio_unpark_all(waiters: list[Any]) -> int:
+    woken = 0
     for future in waiters:
-        if not future.done():
+        if not future.done():  # a cancelled sleeper's is
             future.set_result(None)
+            woken += 1
     waiters.clear()
+    return woken
 
 
 def deadline(seconds: float) -> ContextManager[anyio.CancelScope]:
@@ -129,9 +132,11 @@ def _trio_tools(trio: Any) -> LoopTools:
         waiters.append(parked)
         return wait(parked)  # type: ignore[no-any-return]
 
-    def unpark_all(waiters: list[Any]) -> None:
+    def unpark_all(waiters: list[Any]) -> int:
         for parked in waiters:
             reschedule(parked.task)
+        woken = len(waiters)
         waiters.clear()
+        return woken
 
     return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint)
