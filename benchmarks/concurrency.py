@@ -1,14 +1,22 @@
 """Concurrent one-block callers in one process against bare NIXL's batched loop of the same width.
 
-For each width W (1 = one sequential caller), both sides move W distinct one-block reads
-between two agents in this process (DRAM): bare NIXL posts W requests, then polls them
-all until done (its batched loop); for aionixl, W tasks already running and
-waiting (as requests in a server do) are released at once and each awaits one
-``transfer_blocks`` call, timed from the release to the last one done (``--spawn``: a new
-task per call, created inside the timing). Reports microseconds per transfer (medians over repeats, with
-min and max), the ratio to bare NIXL at the same width, and each contender's growth from
-width 1 to width W. Usage:
-    .venv/bin/python benchmarks/concurrency.py [--widths 1 64 1024] [--repeats 7]
+For each width W (1 = one sequential caller), both sides move one-block reads between two
+agents in this process (DRAM): bare NIXL posts W requests, then polls them all until done
+(its batched loop). aionixl's W callers, by harness:
+
+- ``loop``: W tasks already running and waiting are released at once; each awaits
+  ``transfer_blocks`` again and again (a server's long-lived workers: task start-up outside
+  the timing, one release per caller inside);
+- ``wave``: the same, but each caller makes one call (one request, one transfer: a release
+  per transfer; the shape of the default bench's "in flight" rows);
+- ``spawn``: a new task per call, created inside the timing.
+
+Timed from the release (or the first spawn) to the last transfer done. Reports microseconds
+per transfer (medians over repeats, with min and max), the ratio to bare NIXL at the same
+width, and each contender's growth from width 1 to width W. Floor rows run the same harness with each
+transfer replaced by nothing, or by one suspension: what the event loop alone costs.
+Usage:
+    .venv/bin/python benchmarks/concurrency.py [--widths 1 64 1024] [--harness loop wave]
 """
 
 from __future__ import annotations
@@ -77,15 +85,17 @@ def bare(widths: list[int], regions: int, blocks: int, block_bytes: int, transfe
     return out
 
 
-async def wave(transfer: Any, peer: aionixl.Peer, width: int, blocks: int) -> float:
-    """Seconds from releasing ``width`` waiting tasks to the last transfer done."""
+async def released(transfer: Any, peer: aionixl.Peer, width: int, blocks: int, calls: int) -> float:
+    """Seconds from releasing ``width`` waiting tasks to the last of their transfers done;
+    each task makes ``calls`` calls, one after the other."""
     go, finished = anyio.Event(), anyio.Event()
     left = width
 
     async def request(block: int) -> None:
         nonlocal left
         await go.wait()
-        await transfer(peer, [block], [block])
+        for _ in range(calls):
+            await transfer(peer, [block], [block])
         left -= 1
         if not left:
             finished.set()
@@ -100,12 +110,36 @@ async def wave(transfer: Any, peer: aionixl.Peer, width: int, blocks: int) -> fl
         return time.perf_counter() - t
 
 
-async def floor(widths: list[int], blocks: int, transfers: int, repeats: int,
+async def timed(harness: str, transfer: Any, peer: Any, width: int, blocks: int,
+                transfers: int) -> tuple[float, int]:
+    """One repeat of ``harness`` at ``width``: (seconds, transfers made)."""
+    rounds = max(1, transfers // width)
+    if width == 1:
+        t = time.perf_counter()
+        for _ in range(rounds):
+            await transfer(peer, [3], [3])
+        return time.perf_counter() - t, rounds
+    if harness == "loop":
+        return await released(transfer, peer, width, blocks, rounds), rounds * width
+    spent = 0.0
+    for _ in range(rounds):
+        if harness == "wave":
+            spent += await released(transfer, peer, width, blocks, 1)
+            continue
+        t = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i in range(width):
+                tg.start_soon(transfer, peer, [i % blocks], [i % blocks])
+        spent += time.perf_counter() - t
+    return spent, rounds * width
+
+
+async def floor(harness: str, widths: list[int], blocks: int, transfers: int, repeats: int,
                 suspend: bool) -> dict[int, list[float]]:
     """The harness alone: each caller's transfer replaced by nothing, or by one suspension.
 
-    No transfer engine on this event loop can beat this: a caller that waits for a merged
-    request has to suspend at least once, and its wake-up costs what this row shows.
+    No transfer engine on this event loop can beat the second: a caller that waits for a
+    merged request has to suspend at least once, and its wake-up costs what this row shows.
     """
     async def nothing(peer: Any, local: list[int], remote: list[int]) -> None:
         if suspend:
@@ -113,25 +147,17 @@ async def floor(widths: list[int], blocks: int, transfers: int, repeats: int,
 
     out: dict[int, list[float]] = {}
     for width in widths:
-        rounds = max(1, transfers // width)
         results = []
         for rep in range(repeats + 1):
-            spent = 0.0
-            for _ in range(rounds):
-                if width == 1:
-                    t = time.perf_counter()
-                    await nothing(None, [3], [3])
-                    spent += time.perf_counter() - t
-                else:
-                    spent += await wave(nothing, None, width, blocks)  # type: ignore[arg-type]
+            spent, count = await timed(harness, nothing, None, width, blocks, transfers)
             if rep:
-                results.append(spent / (rounds * width))
+                results.append(spent / count)
         out[width] = results
     return out
 
 
-async def engine(widths: list[int], regions: int, blocks: int, block_bytes: int, transfers: int,
-                 repeats: int, coalesce: bool, spawn: bool) -> dict[int, list[float]]:
+async def engine(harness: str, widths: list[int], regions: int, blocks: int, block_bytes: int,
+                 transfers: int, repeats: int, coalesce: bool) -> dict[int, list[float]]:
     src = [np.full((blocks, block_bytes), 7, np.uint8) for _ in range(regions)]
     dst = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(regions)]
     cfg = aionixl.EngineConfig(coalesce=coalesce)
@@ -140,29 +166,13 @@ async def engine(widths: list[int], regions: int, blocks: int, block_bytes: int,
             aionixl.Engine("conc-dst", dst, listen=None, config=cfg) as d:
         assert s.address is not None
         peer = await d.connect(s.address)
-
-        async def one(block: int) -> None:
-            await d.transfer_blocks(peer, [block], [block])
-
         for width in widths:
-            rounds = max(1, transfers // width)
             results = []
             for rep in range(repeats + 1):
-                spent = 0.0
-                for _ in range(rounds):
-                    t = time.perf_counter()
-                    if width == 1:
-                        await d.transfer_blocks(peer, [3], [3])
-                    elif spawn:
-                        async with anyio.create_task_group() as tg:
-                            for i in range(width):
-                                tg.start_soon(one, i % blocks)
-                    else:
-                        spent += await wave(d.transfer_blocks, peer, width, blocks)
-                        continue
-                    spent += time.perf_counter() - t
+                spent, count = await timed(harness, d.transfer_blocks, peer, width, blocks,
+                                           transfers)
                 if rep:
-                    results.append(spent / (rounds * width))
+                    results.append(spent / count)
             out[width] = results
     assert all((m == 7).all() for m in dst)
     return out
@@ -173,9 +183,9 @@ def main() -> None:
     p.add_argument("--widths", type=int, nargs="+", default=[1, 64, 1024])
     p.add_argument("--regions", type=int, default=2)
     p.add_argument("--block-bytes", type=int, default=4096)
-    p.add_argument("--transfers", type=int, default=4096, help="transfers per repeat and width")
+    p.add_argument("--transfers", type=int, default=8192, help="transfers per repeat and width")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--spawn", action="store_true", help="a new task per call, inside the timing")
+    p.add_argument("--harness", nargs="+", choices=["loop", "wave", "spawn"], default=["loop", "wave"])
     p.add_argument("--backends", nargs="+", default=["asyncio", "trio"])
     p.add_argument("--no-baseline-off", action="store_true", help="skip the coalesce=False rows")
     p.add_argument("--no-floor", action="store_true", help="skip the harness-floor rows")
@@ -184,21 +194,22 @@ def main() -> None:
     shape = (args.widths, args.regions, blocks, args.block_bytes)
     rows: dict[str, dict[int, list[float]]] = {}
     rows["bare NIXL batched"] = bare(*shape, args.transfers, args.repeats)
-    for backend in args.backends:
-        for coalesce in (True,) if args.no_baseline_off else (True, False):
-            name = f"aionixl {backend}{'' if coalesce else ' (no coalescing)'}"
-            rows[name] = anyio.run(engine, *shape, args.transfers, args.repeats, coalesce, args.spawn,
-                                   backend=backend)
-        if not args.no_floor and not args.spawn:
-            for suspend in (False, True):
-                name = f"floor {backend} ({'one suspension' if suspend else 'no await'})"
-                rows[name] = anyio.run(floor, args.widths, blocks, args.transfers, args.repeats,
-                                       suspend, backend=backend)
+    for harness in args.harness:
+        for backend in args.backends:
+            for coalesce in (True,) if args.no_baseline_off else (True, False):
+                name = f"{harness}: aionixl {backend}{'' if coalesce else ' (no coalescing)'}"
+                rows[name] = anyio.run(engine, harness, *shape, args.transfers, args.repeats,
+                                       coalesce, backend=backend)
+            if not args.no_floor:
+                for suspend in (False, True):
+                    name = f"{harness}: floor {backend} ({'one suspension' if suspend else 'no await'})"
+                    rows[name] = anyio.run(floor, harness, args.widths, blocks, args.transfers,
+                                           args.repeats, suspend, backend=backend)
     base = {w: statistics.median(v) for w, v in rows["bare NIXL batched"].items()}
     first = args.widths[0]
     print(f"one-block reads, {args.regions} regions x {args.block_bytes} B, in one process; "
           f"us per transfer, median [min-max] of {args.repeats}")
-    print(f"{'contender':<32}" + "".join(f"{'W=' + str(w):>26}" for w in args.widths)
+    print(f"{'contender':<44}" + "".join(f"{'W=' + str(w):>26}" for w in args.widths)
           + f"{'growth':>10}")
     for name, by_width in rows.items():
         cells = []
@@ -207,7 +218,7 @@ def main() -> None:
             med = statistics.median(v)
             cells.append(f"{med * 1e6:7.2f} [{min(v) * 1e6:.1f}-{max(v) * 1e6:.1f}] {med / base[w]:.2f}x")
         growth = statistics.median(by_width[args.widths[-1]]) / statistics.median(by_width[first])
-        print(f"{name:<32}" + "".join(f"{c:>26}" for c in cells) + f"{growth:>9.2f}x")
+        print(f"{name:<44}" + "".join(f"{c:>26}" for c in cells) + f"{growth:>9.2f}x")
 
 
 if __name__ == "__main__":
