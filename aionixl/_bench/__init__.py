@@ -196,14 +196,17 @@ def _run(args: argparse.Namespace) -> int:
     progress = Progress(not args.no_progress)
     machine = _machine(spec, args.ucx_tls)
     progress(f"starting the prefill process ({spec.peers} engines)")
-    target = Target(bench / "contenders" / "target.py", spec.layers, spec.blocks, spec.block_bytes,
-                    spec.device, spec.peers)
+    def new_target() -> Target:
+        return Target(bench / "contenders" / "target.py", spec.layers, spec.blocks, spec.block_bytes,
+                      spec.device, spec.peers)
+
+    target = new_target()
     raw: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
+    ctx: Context | None = None
     try:
         local = KVMemory(spec.regions, spec.blocks, spec.block_bytes, spec.device)
         host = KVMemory(spec.regions, spec.blocks, spec.block_bytes, "cpu") if spec.device == "cuda" else None
-        ctx: Context | None = None
         source: KVMemory | None = None
         if "memcpy" in chosen:
             source = KVMemory(spec.regions, spec.blocks, spec.block_bytes, spec.device)
@@ -214,6 +217,7 @@ def _run(args: argparse.Namespace) -> int:
             raise BenchError(str(exc)) from None
         ctx = Context(spec, local, target, progress, host)
         ctx.reference_factory = _references(ctx, bench, chosen, source, errors)
+        ctx.target_factory = new_target
         for name in [c for c in ORDER if c in chosen]:
             try:
                 raw[name] = _run_one(name, ctx, bench, source)
@@ -223,18 +227,24 @@ def _run(args: argparse.Namespace) -> int:
                 progress.done()
                 print(f"aionixl bench: the {CONTENDERS[name][0]} contender failed:", file=sys.stderr)
                 traceback.print_exc()
-                try:
-                    target.spin()
-                except TargetError:
-                    break
+            try:
+                if ctx.target_died():
+                    ctx.restart_target(f"after the {CONTENDERS[name][0]} contender")
+                ctx.spin()
+            except TargetError:
+                break
             gc.collect()
     finally:
         progress("stopping the prefill process")
-        target.stop()
+        (ctx.target if ctx is not None else target).stop()
         progress.done()
 
     elapsed = time.perf_counter() - started
     report = _report(spec, machine, chosen, raw, errors, elapsed)
+    if ctx is not None and ctx.target_restarts:
+        report["notes"].append("  the prefill process died and was started again: "
+                               + "; ".join(ctx.target_restarts))
+        report["target_restarts"] = ctx.target_restarts
     report["started_at"] = started_at
     print(report["headline"])
     for line in report["notes"]:

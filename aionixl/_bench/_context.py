@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -90,6 +91,10 @@ class Context:
         #: Set by the harness: builds the references aionixl is paired with (bare NIXL,
         #: memcpy), or returns None when those contenders are not part of the run.
         self.reference_factory: Callable[[], Reference | None] = lambda: None
+        #: Set by the harness: starts a fresh prefill process (see ``restart_target``).
+        self.target_factory: Callable[[], Target] | None = None
+        #: Why the prefill process had to be started again, one line each (the report's notes).
+        self.target_restarts: list[str] = []
 
     # ---- names, the prefill side --------------------------------------------------------
 
@@ -99,6 +104,28 @@ class Context:
 
     def spin(self) -> None:
         self.target.spin()
+
+    def target_died(self, wait: float = 0.0) -> bool:
+        """Whether the prefill process exited (waiting up to ``wait`` seconds to see it)."""
+        try:
+            self.target.proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def restart_target(self, why: str) -> None:
+        """The prefill process died (a peer's abort can kill a UCX GET target: see the
+        README's threaded-model close): start a fresh one so that the run goes on."""
+        assert self.target_factory is not None
+        code = self.target.proc.returncode
+        self.target.stop()
+        self.progress(f"the prefill process died ({why}; exit code {code}): starting it again")
+        self.target_restarts.append(f"{why} (exit code {code})")
+        target = self.target_factory()
+        target.wait_ready()
+        self.target = target
+        self.remote_layout = target.layout
+        self.units = target.units
 
     def rest(self) -> None:
         self.target.rest()
