@@ -187,6 +187,8 @@ _ONE_BLOCK_CACHE = 4096
 #: How long after a merged request ended its members still count as arriving together
 #: (a bound, in case one of them never runs again).
 _RETURNING = 0.05
+#: At most this many more trips through the loop while gathering for returning members.
+_GATHER_MORE = 2
 
 
 class Transfers:
@@ -401,6 +403,12 @@ class Transfers:
         try:
             # One trip through the loop: the callers already scheduled run now and join.
             await self._yield_now()
+            # Members of a merged request that just ended may still be due to run (trio
+            # runs a turn's tasks in either order): let them call and join too.
+            for _ in range(_GATHER_MORE):
+                if self._returning <= 0:
+                    break
+                await self._yield_now()
         except BaseException as exc:
             # Cancelled while gathering: the others go out all the same, without us.
             self._stop_gathering(key, batch)
