@@ -25,6 +25,22 @@ def merged(engine: aionixl.Engine) -> tuple[int, int]:
     return stats["merged_requests"], stats["merged_calls"]
 
 
+def posted_requests(engine: aionixl.Engine, side: str) -> list[list[int]]:
+    """From now on, each NIXL request the engine posts: its descriptor indices on ``side``
+    ("local" or "remote"), in posting order."""
+    posted: list[list[int]] = []
+    agent = engine._transfers.agent
+    assert agent is not None
+    real = agent.start_xfer
+
+    def spy(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any, *rest: Any) -> Any:
+        posted.append([int(i) for i in (local_idx if side == "local" else remote_idx)])
+        return real(op, local, local_idx, remote, remote_idx, *rest)
+
+    agent.start_xfer = spy  # type: ignore[method-assign, assignment]
+    return posted
+
+
 async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=1)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=2)
@@ -138,16 +154,7 @@ async def test_writes_to_the_same_destination_block_are_never_merged() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
-        posted: list[list[int]] = []
-        agent = dst._transfers.agent
-        assert agent is not None
-        real = agent.start_xfer
-
-        def spy(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any, *rest: Any) -> Any:
-            posted.append([int(i) for i in remote_idx])
-            return real(op, local, local_idx, remote, remote_idx, *rest)
-
-        agent.start_xfer = spy  # type: ignore[method-assign]
+        posted = posted_requests(dst, "remote")
         async with anyio.create_task_group() as tg:
             for i in range(6):
                 # Six writers of remote block 7 (from six different local blocks), and others.
@@ -225,16 +232,7 @@ async def test_a_caller_cancelled_while_gathering_leaves_and_the_others_go_out(a
     before = [r.copy() for r in dst_cache]
     config = aionixl.EngineConfig(coalesce_window=5.0)
     async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
-        posted: list[list[int]] = []
-        agent = dst._transfers.agent
-        assert agent is not None
-        real = agent.start_xfer
-
-        def spy(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any, *rest: Any) -> Any:
-            posted.append([int(i) for i in local_idx])
-            return real(op, local, local_idx, remote, remote_idx, *rest)
-
-        agent.start_xfer = spy  # type: ignore[method-assign]
+        posted = posted_requests(dst, "local")
         done: dict[int, aionixl.TransferResult] = {}
         cancelled: list[int] = []
 
