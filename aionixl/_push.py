@@ -28,7 +28,8 @@ to callers):
   NIXL's release does not either), then answers ``PGONE`` + id: nothing more of it will
   land. A reader that hears neither ``PGONE``, ``PDONE`` nor ``PERR`` within
   ``push_cancel_timeout`` evicts the peer: its NIXL connection is closed, so the server's
-  writes can no longer reach our memory.
+  writes can no longer reach our memory (best effort against a server stopped mid-chunk
+  over UCX tcp: that chunk can still land when it resumes; see the README's known gap).
 
 GET mode gets a fence after an aborted read too (:func:`fence_get`): one more one-block
 READ from the same peer. NIXL ends every transfer with a flush of the UCX endpoint, which
