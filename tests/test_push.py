@@ -237,8 +237,8 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(
     if late:
         # A known gap, reported rather than hidden (README, "Push reads"): closing our NIXL
         # connection to the stopped server does not always stop the PUT chunk it had under
-        # way over UCX tcp; once it resumes, up to a chunk can still land (seen in 2 of 4
-        # CI runs on 2026-12-04, trio, ~0.8-1 MB). Everything else above is still asserted.
+        # way over UCX tcp; once it resumes, up to a chunk can still land (seen in 3 of 4
+        # fresh-clone CI runs on 2026-12-04, ~0.8-1 MB). Everything else above is still asserted.
         pytest.xfail(f"{late} bytes landed after the eviction (known gap: a resumed server's "
                      "PUT chunk under way over UCX tcp)")
 
