@@ -152,17 +152,6 @@ class _Batch(_InFlight):
         if entry[4] < self.deadline:
             self.deadline = entry[4]
 
-    def join(self, entry: _Entry, dest: int) -> None:
-        """:meth:`add` for a one-block call (the commonest member)."""
-        self.entries.append(entry)
-        self.blocks += 1
-        self.dests.add(dest)
-        if entry[3]:
-            self.messages += 1
-        self.live += 1
-        if entry[4] < self.deadline:
-            self.deadline = entry[4]
-
     def expire(self, now: float) -> None:
         """Some member's deadline passed: wake everyone to look (the rest wait again)."""
         self.deadline = min((e[4] for e in self.entries if e[4] > now), default=math.inf)
@@ -313,9 +302,10 @@ class Transfers:
                 dest = local_blocks if op == "read" else remote_blocks
                 if nblocks == 1 and type(dest) is list:
                     one = dest[0]
+                    dests: Sequence[int] = (one,)
                     if gathering is not None and gathering.blocks < self._max_merged \
                             and one not in gathering.dests:
-                        gathering.join(entry, one)
+                        gathering.add(entry, dests)
                         # The commonest wait, inline: park until the merged request ends.
                         try:
                             await self._park(gathering.waiters)
@@ -331,7 +321,6 @@ class Transfers:
                             return self.metrics.done(op, 1, started, gathering.posted_at,
                                                      gathering.finished_at, now, None)
                         return await self._member(gathering, entry, started, limit, True)
-                    dests: Sequence[int] = (one,)
                 else:
                     dests = _destinations(dest)
                 if gathering is not None and gathering.blocks + nblocks <= self._max_merged \

@@ -230,7 +230,8 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 if ctx.target_died():
                     ctx.restart_target(f"after the {CONTENDERS[name][0]} contender")
-                ctx.spin()
+                if name in errors:
+                    ctx.spin()
             except TargetError:
                 break
             gc.collect()

@@ -173,22 +173,23 @@ def run(ctx: Any) -> dict[str, Any]:
     finally:
         conn.shutdown()
     closes, at_close = [], []
+    # A UCX GET target aborts when its reader disconnects mid-read (over tcp): this close can
+    # kill the prefill process. Then it is started again and that close measured once more.
+    killed = "killed by the threaded model's close with reads in flight"
     for i in range(spec.close_repeats):
         ctx.progress(f"threaded model: close with {spec.peers} peers and {spec.close_inflight} reads "
                      f"in flight over UCX tcp ({i + 1}/{spec.close_repeats})")
         try:
             seconds, inflight = _close_once(ctx, step_s, req)
         except Exception:
-            # A UCX GET target aborts when its reader disconnects mid-read (over tcp): this
-            # close can kill the prefill process. Start it again and measure once more.
             if not ctx.target_died(5.0):
                 raise
-            ctx.restart_target("killed by the threaded model's close with reads in flight")
+            ctx.restart_target(killed)
             seconds, inflight = _close_once(ctx, step_s, req)
         closes.append(seconds)
         at_close.append(inflight)
         if ctx.target_died(0.5):
-            ctx.restart_target("killed by the threaded model's close with reads in flight")
+            ctx.restart_target(killed)
     out["close"] = closes
     out["info"] = {"verified": True, "step_s": step_s, "close_in_flight": at_close,
                    "close_transport": spec.slow_tls}
