@@ -54,5 +54,13 @@ def zero_resources(engine: aionixl.Engine) -> bool:
     return all(v == 0 for v in engine.live_resources().values())
 
 
-def task_count() -> int:
-    return len(os.listdir("/proc/self/task"))
+def thread_names() -> list[str]:
+    """This process's OS threads by name, sorted (a thread gone mid-read is skipped)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sorted(names)
