@@ -113,6 +113,19 @@ def _trio_tools(trio: Any) -> LoopTools:
     current_task, reschedule, wait = lowlevel.current_task, lowlevel.reschedule, \
         lowlevel.wait_task_rescheduled
     succeeded = lowlevel.Abort.SUCCEEDED
+    from outcome import Value  # trio's own dependency
+
+    class Resumed(Value):  # type: ignore[misc,type-arg]  # Value is final to type checkers
+        """What a woken sleeper gets: one shared outcome that can be unwrapped again and
+        again, instead of a fresh ``Value(None)`` (and its used-once check) per wake.
+        ``wait_task_rescheduled`` only unwraps what it is sent."""
+
+        __slots__ = ()
+
+        def unwrap(self) -> None:
+            return None
+
+    resumed = Resumed(None)
 
     class Parked:
         """A parked task, and its abort function (one object per sleeper, no closure)."""
@@ -134,7 +147,7 @@ def _trio_tools(trio: Any) -> LoopTools:
 
     def unpark_all(waiters: list[Any]) -> int:
         for parked in waiters:
-            reschedule(parked.task)
+            reschedule(parked.task, resumed)
         woken = len(waiters)
         waiters.clear()
         return woken
