@@ -39,8 +39,11 @@ async def main() -> None:
             async with anyio.create_task_group() as tg:
                 for block in range(64):
                     tg.start_soon(read, block)
-                await anyio.sleep(0.01)
-                in_flight = eng.live_resources()["in_flight"]
+                # Close as soon as the reads are posted: a fixed sleep (it was 10 ms) could
+                # outlast them on loopback TCP, and then close met nothing under way.
+                with anyio.fail_after(30):
+                    while not (in_flight := eng.live_resources()["in_flight"]):
+                        await anyio.sleep(0)
                 await eng.aclose()
     # The child's output (its UCX warnings, if any) goes to a file: the test reads it here.
     sys.stderr.write(remote.stderr_tail(1 << 24))
