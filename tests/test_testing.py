@@ -41,8 +41,11 @@ GEOMETRY = {"num_blocks": 16, "block_shape": (16, 8, 64), "dtypes": ("float16", 
 def children() -> set[int]:
     pids: set[int] = set()
     for path in glob.glob("/proc/self/task/*/children"):
-        with open(path) as f:
-            pids.update(int(p) for p in f.read().split())
+        try:
+            with open(path) as f:
+                pids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:
+            pass  # that thread ended after the listing (a thread of NIXL's or zmq's)
     return pids
 
 
