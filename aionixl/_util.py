@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, NamedTuple, Protocol
@@ -127,29 +128,48 @@ def _trio_tools(trio: Any) -> LoopTools:
 
     resumed = Resumed(None)
 
-    class Parked:
-        """A parked task, and its abort function (one object per sleeper, no closure)."""
+    # A sleeper is its task, listed in ``waiters``, with ``custom_sleep_data`` pointing at
+    # that list: trio clears it whenever the task is rescheduled, so a sleeper that was
+    # cancelled (its abort just says yes and leaves it listed) or already woken is skipped.
+    # No object per sleeper, and one abort function for all of them.
+    def abort(_: object) -> Any:
+        return succeeded
 
-        __slots__ = ("task", "waiters")
-
-        def __init__(self, task: Any, waiters: list[Any]) -> None:
-            self.task = task
-            self.waiters = waiters
-
-        def __call__(self, _: object) -> Any:
-            self.waiters.remove(self)  # still listed: unpark_all empties the list as it wakes
-            return succeeded
+    sleep = _trio_sleep(abort) or functools.partial(wait, abort)
 
     def park(waiters: list[Any]) -> Awaitable[None]:
-        parked = Parked(current_task(), waiters)
-        waiters.append(parked)
-        return wait(parked)  # type: ignore[no-any-return]
+        task = current_task()
+        task.custom_sleep_data = waiters
+        waiters.append(task)
+        return sleep()
 
     def unpark_all(waiters: list[Any]) -> int:
-        for parked in waiters:
-            reschedule(parked.task, resumed)
-        woken = len(waiters)
+        woken = 0
+        for task in waiters:
+            if task.custom_sleep_data is waiters:
+                reschedule(task, resumed)
+                woken += 1
         waiters.clear()
         return woken
 
     return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint)
+
+
+def _trio_sleep(abort: Callable[[object], Any]) -> Callable[[], Awaitable[None]] | None:
+    """``wait_task_rescheduled(abort)`` minus its wrappers: yield trio's own "wait until
+    rescheduled" message, built once, and unwrap what comes back (what the public function
+    does, with two coroutines and a message per call). None, to use the public function,
+    if this trio has no such message."""
+    try:
+        from trio._core._traps import WaitTaskRescheduled
+
+        message = WaitTaskRescheduled(abort)  # frozen; trio reads only its abort_func
+    except (ImportError, TypeError):
+        return None
+
+    @types.coroutine
+    def sleep() -> Generator[Any, Any, None]:
+        resumed = yield message
+        return resumed.unwrap()  # type: ignore[no-any-return]
+
+    return sleep
