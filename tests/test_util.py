@@ -1,0 +1,124 @@
+"""The loop tools the transfer path parks and wakes callers with (asyncio and trio)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from aionixl import _util
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["fast", "public"])
+def tools(request: pytest.FixtureRequest, anyio_backend: str,
+          monkeypatch: pytest.MonkeyPatch) -> str:
+    """On trio, both the prebuilt wait message ("fast") and trio's public
+    ``wait_task_rescheduled`` (the fallback for a trio without that message)."""
+    if request.param == "public":
+        if anyio_backend != "trio":
+            pytest.skip("only trio has a fallback")
+        monkeypatch.setattr(_util, "_trio_sleep", lambda abort: None)
+    return str(request.param)
+
+
+def bound(_: str) -> _util.LoopTools:
+    """The tools of the running loop."""
+    return _util.loop_tools()
+
+
+async def test_unpark_all_wakes_every_sleeper_once(tools: str) -> None:
+    t = bound(tools)
+    waiters: list[Any] = []
+    woke: list[int] = []
+
+    async def sleeper(i: int) -> None:
+        await t.park(waiters)
+        woke.append(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(5):
+            tg.start_soon(sleeper, i)
+        while len(waiters) < 5:
+            await anyio.sleep(0)
+        assert t.unpark_all(waiters) == 5
+        assert waiters == []
+        assert t.unpark_all(waiters) == 0
+    assert sorted(woke) == [0, 1, 2, 3, 4]
+
+
+async def test_a_cancelled_sleeper_leaves_alone_and_is_not_woken_again(tools: str) -> None:
+    t = bound(tools)
+    waiters: list[Any] = []
+    woke: list[int] = []
+    cancelled: list[int] = []
+
+    async def sleeper(i: int, scope: anyio.CancelScope) -> None:
+        with scope:
+            try:
+                await t.park(waiters)
+            except anyio.get_cancelled_exc_class():
+                cancelled.append(i)
+                raise
+            woke.append(i)
+
+    scopes = [anyio.CancelScope() for _ in range(4)]
+    async with anyio.create_task_group() as tg:
+        for i, scope in enumerate(scopes):
+            tg.start_soon(sleeper, i, scope)
+        while len(waiters) < 4:
+            await anyio.sleep(0)
+        scopes[1].cancel()
+        # Woken at once, before the cancelled task has even run: it must not be woken twice.
+        assert t.unpark_all(waiters) == 3
+    assert sorted(woke) == [0, 2, 3]
+    assert cancelled == [1]
+
+
+async def test_a_sleeper_woken_and_parked_again_is_woken_by_the_next_call(tools: str) -> None:
+    t = bound(tools)
+    waiters: list[Any] = []
+    rounds = 0
+
+    async def sleeper() -> None:
+        nonlocal rounds
+        for _ in range(3):
+            await t.park(waiters)
+            rounds += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sleeper)
+        for expected in range(3):
+            while not waiters:
+                await anyio.sleep(0)
+            assert rounds == expected
+            assert t.unpark_all(waiters) == 1
+    assert rounds == 3
+
+
+async def test_a_sleeper_listed_twice_is_woken_once(tools: str) -> None:
+    """A cancelled sleeper stays listed; if it parks on the same list again it is listed twice."""
+    t = bound(tools)
+    waiters: list[Any] = []
+    woke = 0
+
+    async def sleeper(scope: anyio.CancelScope) -> None:
+        nonlocal woke
+        with scope:
+            await t.park(waiters)
+        await t.park(waiters)  # the cancelled park left it listed
+        woke += 1
+
+    scope = anyio.CancelScope()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sleeper, scope)
+        while not waiters:
+            await anyio.sleep(0)
+        scope.cancel()
+        while len(waiters) < 2:
+            await anyio.sleep(0)
+        assert t.unpark_all(waiters) == 1
+    assert woke == 1
+
