@@ -301,10 +301,9 @@ class Transfers:
                 entry: _Entry = (local_idx, remote_idx, nblocks, message, started + limit)
                 dest = local_blocks if op == "read" else remote_blocks
                 if nblocks == 1 and type(dest) is list:
-                    one = dest[0]
-                    dests: Sequence[int] = (one,)
+                    dests: Sequence[int] = dest  # read at once, never kept
                     if gathering is not None and gathering.blocks < self._max_merged \
-                            and one not in gathering.dests:
+                            and dest[0] not in gathering.dests:
                         gathering.add(entry, dests)
                         # The commonest wait, inline: park until the merged request ends.
                         try:
