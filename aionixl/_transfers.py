@@ -50,7 +50,7 @@ from ._regions import (
     region_offsets,
     small_indices,
 )
-from ._util import CLOSED, CLOSING, OPEN, NativeEvent, check_timeout, deadline, loop_tools
+from ._util import CLOSED, CLOSING, OPEN, NativeEvent, Unpark, check_timeout, deadline, loop_tools
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -117,7 +117,7 @@ class _Batch(_InFlight):
                  "posted_at", "finished_at", "waiters", "_wake", "_unpark_all")
 
     def __init__(self, peer: Peer, op: Op, wake: Callable[[list[object]], None],
-                 unpark_all: Callable[[list[object]], int]) -> None:
+                 unpark_all: Unpark) -> None:
         self.peer = peer
         self.status = PROC
         self.error = None
@@ -178,6 +178,13 @@ _ONE_BLOCK_CACHE = 4096
 _RETURNING = 0.05
 #: At most this many more trips through the loop while gathering for returning members.
 _GATHER_MORE = 2
+#: Members woken at once when a merged request ends; the poller wakes the rest, this many
+#: per loop turn. Waking a task allocates an object that lives until the task runs, so
+#: waking 1024 at once sets off a young-generation collection (threshold 700) while every
+#: parked caller's objects are young: they all get traversed and promoted, and gen-2
+#: collections (the whole heap, torch's included) follow. In chunks, each woken member
+#: frees about what the next call allocates, and the collections all but stop.
+_WAKE_CHUNK = 128
 
 
 class Transfers:
@@ -204,7 +211,7 @@ class Transfers:
         self._current_task: Callable[[], object] = _no_task
         self._new_event: Callable[[], NativeEvent] = anyio.Event
         self._park: Callable[[list[object]], Awaitable[None]] = _unbound_park
-        self._unpark_all: Callable[[list[object]], int] = _unbound_unpark_all
+        self._unpark_all: Unpark = _unbound_unpark_all
         self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._last_caller: object = None
         self._last_call = 0.0
@@ -213,6 +220,10 @@ class Transfers:
         #: there are any, a call comes "together" with theirs.
         self._returning = 0
         self._woke_at = -math.inf
+        #: Members of ended merged requests still to wake, a chunk per poller turn; only
+        #: while the poller runs (``_polling``), which wakes them all when it stops.
+        self._waking: list[list[object]] = []
+        self._polling = False
         self.merged_requests = 0  # NIXL requests that carried more than one caller
         self.merged_calls = 0  # calls that rode in one of them
         self.reposts = 0  # merged requests posted again after a member left
@@ -414,8 +425,20 @@ class Transfers:
         now = time.perf_counter()
         if self._returning < 0 or now - self._woke_at > _RETURNING:
             self._returning = 0  # whatever was miscounted is forgotten
-        self._returning += self._unpark_all(waiters)
+        if not self._polling:
+            self._returning += self._unpark_all(waiters)
+        else:
+            self._returning += self._unpark_all(waiters, _WAKE_CHUNK)
+            if waiters:
+                self._waking.append(waiters)
+                self._poller_wakeup.set()
         self._woke_at = now
+
+    def _wake_more(self) -> None:
+        """Wake the next chunk of each ended merged request's members (see _WAKE_CHUNK)."""
+        waking, self._waking = self._waking, []
+        for waiters in waking:
+            self._wake_members(waiters)
 
     def _stop_gathering(self, key: tuple[Peer, Op], batch: _Batch) -> None:
         if self._gathering.get(key) is batch:
@@ -643,9 +666,20 @@ class Transfers:
         """Check every transfer in flight once per loop turn; sleep while there are none."""
         agent = self.agent
         assert agent is not None
+        self._polling = True
+        try:
+            await self._poll(agent)
+        finally:
+            # No one will wake the rest a chunk at a time: wake them all now.
+            self._polling = False
+            self._wake_more()
+
+    async def _poll(self, agent: Agent) -> None:
         engine = self._engine
         while True:
-            if not self.inflight and not self.parked:
+            if self._waking:
+                self._wake_more()
+            if not self.inflight and not self.parked and not self._waking:
                 self._poller_wakeup = anyio.Event()
                 await self._poller_wakeup.wait()
                 engine._wake_drainer()
@@ -727,7 +761,7 @@ def _unbound_park(waiters: list[object]) -> Awaitable[None]:
     raise RuntimeError("Transfers.bind_loop was not called")
 
 
-def _unbound_unpark_all(waiters: list[object]) -> int:
+def _unbound_unpark_all(waiters: list[object], limit: int = 0, /) -> int:
     raise RuntimeError("Transfers.bind_loop was not called")
 
 

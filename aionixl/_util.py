@@ -16,6 +16,9 @@ import anyio
 NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "closed"
 
 
+_ALL = 1 << 62
+
+
 class LoopTools(NamedTuple):
     """Cheap per-call tools of the event loop an engine runs in (the transfer hot path
     calls them per transfer; anyio's portable versions cost several times more)."""
@@ -26,9 +29,16 @@ class LoopTools(NamedTuple):
     #: drops out alone (the others stay parked). Many callers of one merged request wait
     #: this way: a bare future (asyncio) or a parked task (trio), no event object per wait.
     park: Callable[[list[Any]], Awaitable[None]]
-    unpark_all: Callable[[list[Any]], int]  # returns how many it woke
+    unpark_all: Unpark
     #: One trip through the loop (the tasks already scheduled run first); cancellable.
     yield_now: Callable[[], Awaitable[None]]
+
+
+class Unpark(Protocol):
+    def __call__(self, waiters: list[Any], limit: int = ..., /) -> int:
+        """Wake up to ``limit`` (default: all) sleepers from the front of ``waiters`` and
+        drop them, and the cancelled ones passed on the way, from the list; returns how
+        many it woke."""
 
 
 class NativeEvent(Protocol):
@@ -81,13 +91,16 @@ def _asyncio_yield() -> Awaitable[None]:
     return _ASYNCIO_YIELD
 
 
-def _asyncio_unpark_all(waiters: list[Any]) -> int:
-    woken = 0
+def _asyncio_unpark_all(waiters: list[Any], limit: int = _ALL) -> int:
+    woken = seen = 0
     for future in waiters:
+        seen += 1
         if not future.done():  # a cancelled sleeper's is
             future.set_result(None)
             woken += 1
-    waiters.clear()
+            if woken == limit:
+                break
+    del waiters[:seen]
     return woken
 
 
@@ -143,13 +156,16 @@ def _trio_tools(trio: Any) -> LoopTools:
         waiters.append(task)
         return sleep()
 
-    def unpark_all(waiters: list[Any]) -> int:
-        woken = 0
+    def unpark_all(waiters: list[Any], limit: int = _ALL) -> int:
+        woken = seen = 0
         for task in waiters:
+            seen += 1
             if task.custom_sleep_data is waiters:
                 reschedule(task, resumed)
                 woken += 1
-        waiters.clear()
+                if woken == limit:
+                    break
+        del waiters[:seen]
         return woken
 
     return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint)

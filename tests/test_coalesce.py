@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import aionixl
+from aionixl import _transfers
 from aionixl.testing import RemoteEngine
 
 from .conftest import engine_pair, numpy_cache, unique, zero_resources
@@ -362,3 +363,64 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
             assert np.array_equal(local[region][[32 + i for i in ok]], source[region][ok])
         live = eng.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
+#: More one-block callers than the engine wakes in one go when their merged request ends.
+MANY = 3 * _transfers._WAKE_CHUNK + 17
+
+
+async def test_members_beyond_one_wake_chunk_all_wake_with_their_own_bytes() -> None:
+    """Long-lived callers, more than a wake chunk of them: every round each gets its bytes
+    (another source block each round, so a caller woken before its data landed would
+    see the last round's)."""
+    src_cache = numpy_cache(MANY, 512, REGIONS, seed=31)
+    dst_cache = numpy_cache(MANY, 512, REGIONS)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        posted = posted_requests(dst, "local")
+        rounds = 4
+        done = [0] * MANY
+
+        async def caller(block: int) -> None:
+            for r in range(rounds):
+                result = await dst.transfer_blocks(peer, [block], [(block + r) % MANY])
+                assert result.blocks == 1
+                for region in range(REGIONS):
+                    assert np.array_equal(dst_cache[region][block],
+                                          src_cache[region][(block + r) % MANY]), (block, r)
+                done[block] += 1
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for block in range(MANY):
+                    tg.start_soon(caller, block)
+        assert done == [rounds] * MANY
+        sizes = [len(request) // REGIONS for request in posted]
+        assert max(sizes) > _transfers._WAKE_CHUNK, sizes  # some request woke in chunks
+        assert dst._transfers._waking == []
+    assert zero_resources(dst) and zero_resources(src)
+
+
+async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting() -> None:
+    """The poller wakes all but the first chunk; closing stops it, and it wakes the rest."""
+    src_cache = numpy_cache(MANY, 512, REGIONS, seed=32)
+    dst_cache = numpy_cache(MANY, 512, REGIONS)
+    outcomes: list[str] = []
+
+    async def caller(engine: aionixl.Engine, peer: aionixl.Peer, block: int) -> None:
+        try:
+            await engine.transfer_blocks(peer, [block], [block])
+            outcomes.append("ok")
+        except aionixl.EngineClosedError:
+            outcomes.append("closed")
+
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for block in range(MANY):
+                    tg.start_soon(caller, dst, peer, block)
+                while not dst._transfers._waking:  # a merged request ended, chunks left
+                    await anyio.sleep(0)
+                await dst.aclose()
+    assert len(outcomes) == MANY
+    assert outcomes.count("ok") >= _transfers._WAKE_CHUNK
+    assert zero_resources(dst) and zero_resources(src)

@@ -122,3 +122,30 @@ async def test_a_sleeper_listed_twice_is_woken_once(tools: str) -> None:
         assert t.unpark_all(waiters) == 1
     assert woke == 1
 
+
+
+async def test_unpark_all_with_a_limit_wakes_that_many_from_the_front(tools: str) -> None:
+    t = bound(tools)
+    waiters: list[Any] = []
+    woke: list[int] = []
+
+    async def sleeper(i: int, scope: anyio.CancelScope) -> None:
+        with scope:
+            await t.park(waiters)
+            woke.append(i)
+
+    scopes = [anyio.CancelScope() for _ in range(6)]
+    async with anyio.create_task_group() as tg:
+        for i, scope in enumerate(scopes):
+            tg.start_soon(sleeper, i, scope)
+            while len(waiters) <= i:  # parked in this order
+                await anyio.sleep(0)
+        scopes[1].cancel()
+        assert t.unpark_all(waiters, 2) == 2  # 0 and 2: the cancelled 1 does not count
+        assert len(waiters) == 3
+        await anyio.sleep(0.01)
+        assert sorted(woke) == [0, 2]
+        assert t.unpark_all(waiters, 2) == 2
+        assert t.unpark_all(waiters, 2) == 1
+        assert waiters == []
+    assert sorted(woke) == [0, 2, 3, 4, 5]
