@@ -16,6 +16,7 @@ import anyio
 NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "closed"
 
 
+#: ``unpark_all``'s default limit: every sleeper listed.
 _ALL = 1 << 62
 
 
