@@ -178,6 +178,9 @@ _ONE_BLOCK_CACHE = 4096
 _RETURNING = 0.05
 #: At most this many more trips through the loop while gathering for returning members.
 _GATHER_MORE = 2
+#: Bytes from which a merged request gets a loop turn of its own before it is posted
+#: (NIXL copies the data inside the post on this path: ~0.1 ms per MiB).
+_LONG_POST = 1 << 20
 #: Members woken at once when a merged request ends; the poller wakes the rest, this many
 #: per loop turn. Waking a task allocates an object that lives until the task runs, so
 #: waking 1024 at once sets off a young-generation collection (threshold 700) while every
@@ -407,6 +410,11 @@ class Transfers:
             for _ in range(_GATHER_MORE):
                 if self._returning <= 0:
                     break
+                await self._yield_now()
+            if batch.blocks * self._bytes_per_block >= _LONG_POST:
+                # A post this big copies for a while: give the loop a turn between the
+                # joiners and the copy, so that a timer or another task due meanwhile
+                # waits for one of them, not for both.
                 await self._yield_now()
         except BaseException as exc:
             # Cancelled while gathering: the others go out all the same, without us.

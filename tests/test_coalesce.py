@@ -424,3 +424,30 @@ async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting()
     assert len(outcomes) == MANY
     assert outcomes.count("ok") >= _transfers._WAKE_CHUNK
     assert zero_resources(dst) and zero_resources(src)
+
+
+async def test_a_merged_request_of_a_mebibyte_or_more_carries_every_member_exactly() -> None:
+    """Such a request gets one more loop turn before its post (the copy inside the post is
+    long); its members still get their own bytes, and nothing is left behind."""
+    block_bytes = 64 * 1024
+    callers = _transfers._LONG_POST // (block_bytes * REGIONS) + 8
+    src_cache = numpy_cache(callers, block_bytes, REGIONS, seed=33)
+    dst_cache = numpy_cache(callers, block_bytes, REGIONS)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        posted = posted_requests(dst, "local")
+        results: dict[int, aionixl.TransferResult] = {}
+
+        async def read(i: int) -> None:
+            results[i] = await dst.transfer_blocks(peer, [i], [callers - 1 - i])
+
+        await dst.transfer_blocks(peer, [0], [0])  # another task called just now: gather
+        posted.clear()
+        async with anyio.create_task_group() as tg:
+            for i in range(callers):
+                tg.start_soon(read, i)
+        assert sorted(results) == list(range(callers))
+        largest = max(len(request) // REGIONS for request in posted)
+        assert largest * block_bytes * REGIONS >= _transfers._LONG_POST, [len(r) for r in posted]
+        for region in range(REGIONS):
+            assert np.array_equal(dst_cache[region], src_cache[region][::-1])
+    assert zero_resources(dst) and zero_resources(src)
