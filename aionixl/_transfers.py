@@ -181,12 +181,14 @@ _GATHER_MORE = 2
 #: Bytes from which a merged request gets a loop turn of its own before it is posted
 #: (NIXL copies the data inside the post on this path: ~0.1 ms per MiB).
 _LONG_POST = 1 << 20
-#: Members woken at once when a merged request ends; the poller wakes the rest, this many
-#: per loop turn. Waking a task allocates an object that lives until the task runs, so
+#: Members woken at once when a merged request ends (on trio); the poller wakes the rest,
+#: this many per loop turn. Waking a task allocates an object that lives until the task runs, so
 #: waking 1024 at once sets off a young-generation collection (threshold 700) while every
 #: parked caller's objects are young: they all get traversed and promoted, and gen-2
 #: collections (the whole heap, torch's included) follow. In chunks, each woken member
-#: frees about what the next call allocates, and the collections all but stop.
+#: frees about what the next call allocates, and the collections all but stop. Only on
+#: trio: a member still waiting for its wake can be cancelled, and only trio raises an
+#: absorbed cancellation again (see ``_finished_anyway``); asyncio wakes everyone at once.
 _WAKE_CHUNK = 128
 
 
@@ -216,6 +218,8 @@ class Transfers:
         self._park: Callable[[list[object]], Awaitable[None]] = _unbound_park
         self._unpark_all: Unpark = _unbound_unpark_all
         self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
+        self._wake_chunk = _WAKE_CHUNK
+        self._redelivers_cancel = False
         self._last_caller: object = None
         self._last_call = 0.0
         #: Members woken by the end of their merged request that have not run again yet
@@ -323,9 +327,10 @@ class Transfers:
                         try:
                             await self._park(gathering.waiters)
                         except BaseException as exc:
-                            await self._abandon(gathering, entry)
-                            self.metrics.failed(exc, peer, op, 1, started)
-                            raise
+                            if not self._finished_anyway(gathering, exc):
+                                await self._abandon(gathering, entry)
+                                self.metrics.failed(exc, peer, op, 1, started)
+                                raise
                         if gathering.status != PROC:
                             self._returning -= 1
                         if gathering.status == DONE and gathering.error is None:
@@ -436,7 +441,7 @@ class Transfers:
         if not self._polling:
             self._returning += self._unpark_all(waiters)
         else:
-            self._returning += self._unpark_all(waiters, _WAKE_CHUNK)
+            self._returning += self._unpark_all(waiters, self._wake_chunk)
             if waiters:
                 self._waking.append(waiters)
                 self._poller_wakeup.set()
@@ -521,9 +526,10 @@ class Transfers:
                         "it was aborted")
                 try:
                     await self._park(batch.waiters)
-                except BaseException:
-                    await self._abandon(batch, entry)
-                    raise
+                except BaseException as exc:
+                    if not self._finished_anyway(batch, exc):
+                        await self._abandon(batch, entry)
+                        raise
                 woken = True
                 if batch.status != PROC:
                     self._returning -= 1
@@ -540,6 +546,14 @@ class Transfers:
         now = self._last_yield = time.perf_counter()
         return self.metrics.done(batch.op, entry[2], started, batch.posted_at, batch.finished_at, now,
                                  None)
+
+    def _finished_anyway(self, batch: _Batch, exc: BaseException) -> bool:
+        """A member cancelled while it waited for its wake, after its request had already
+        moved its blocks: report the transfer done (a caller told it failed would retry,
+        and write and notify twice). Only where the cancellation is raised again at the
+        caller's next checkpoint (trio); elsewhere it propagates."""
+        return self._redelivers_cancel and batch.status == DONE and batch.error is None \
+            and isinstance(exc, anyio.get_cancelled_exc_class())
 
     async def _abandon(self, batch: _Batch, entry: _Entry) -> None:
         """A parked member was cancelled (or interrupted): take its part out."""
@@ -599,6 +613,8 @@ class Transfers:
         self._park = tools.park
         self._unpark_all = tools.unpark_all
         self._yield_now = tools.yield_now
+        self._redelivers_cancel = tools.redelivers_cancel
+        self._wake_chunk = _WAKE_CHUNK if tools.redelivers_cancel else 1 << 62
 
     # ---- waiting ------------------------------------------------------------------------
 

@@ -33,6 +33,10 @@ class LoopTools(NamedTuple):
     unpark_all: Unpark
     #: One trip through the loop (the tasks already scheduled run first); cancellable.
     yield_now: Callable[[], Awaitable[None]]
+    #: Whether a cancellation that an operation absorbs (because it had already completed)
+    #: is raised again at the task's next checkpoint: true on trio, where a cancel scope
+    #: stays cancelled; not for asyncio's one-shot ``Task.cancel()``.
+    redelivers_cancel: bool = False
 
 
 class Unpark(Protocol):
@@ -169,7 +173,7 @@ def _trio_tools(trio: Any) -> LoopTools:
         del waiters[:seen]
         return woken
 
-    return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint)
+    return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint, True)
 
 
 def _trio_sleep(abort: Callable[[object], Any]) -> Callable[[], Awaitable[None]] | None:

@@ -400,8 +400,11 @@ async def test_members_beyond_one_wake_chunk_all_wake_with_their_own_bytes() -> 
     assert zero_resources(dst) and zero_resources(src)
 
 
-async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting() -> None:
-    """The poller wakes all but the first chunk; closing stops it, and it wakes the rest."""
+async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting(anyio_backend: str) -> None:
+    """The poller wakes all but the first chunk; closing stops it, and it wakes the rest.
+    (Chunks are trio's: asyncio wakes every member at once.)"""
+    if anyio_backend != "trio":
+        pytest.skip("members are woken in chunks on trio only")
     src_cache = numpy_cache(MANY, 512, REGIONS, seed=32)
     dst_cache = numpy_cache(MANY, 512, REGIONS)
     outcomes: list[str] = []
@@ -450,4 +453,43 @@ async def test_a_merged_request_of_a_mebibyte_or_more_carries_every_member_exact
         assert largest * block_bytes * REGIONS >= _transfers._LONG_POST, [len(r) for r in posted]
         for region in range(REGIONS):
             assert np.array_equal(dst_cache[region], src_cache[region][::-1])
+    assert zero_resources(dst) and zero_resources(src)
+
+
+async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_landed_reports_them(
+        anyio_backend: str) -> None:
+    """On trio the members of an ended request are woken a chunk at a time; one cancelled
+    before its turn comes gets its result (its blocks did land: told otherwise it would
+    retry, and write and notify twice), and the cancellation at its next checkpoint."""
+    if anyio_backend != "trio":
+        pytest.skip("members are woken in chunks on trio only")
+    src_cache = numpy_cache(MANY, 512, REGIONS, seed=34)
+    dst_cache = numpy_cache(MANY, 512, REGIONS)
+    returned: list[int] = []
+    cancelled_after: list[int] = []
+    scopes = [anyio.CancelScope() for _ in range(MANY)]
+
+    async def caller(engine: aionixl.Engine, peer: aionixl.Peer, block: int) -> None:
+        with scopes[block]:
+            await engine.transfer_blocks(peer, [block], [block])
+            returned.append(block)
+            await anyio.lowlevel.checkpoint()
+        if scopes[block].cancelled_caught:
+            cancelled_after.append(block)
+
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for block in range(MANY):
+                    tg.start_soon(caller, dst, peer, block)
+                while not dst._transfers._waking:  # a request ended, chunks still parked
+                    await anyio.sleep(0)
+                for scope in scopes:
+                    scope.cancel()
+        stats = dst.metrics().transfers["read"]
+        for region in range(REGIONS):
+            assert np.array_equal(dst_cache[region], src_cache[region])  # every block landed
+    assert sorted(returned) == list(range(MANY))  # and every caller was told so
+    assert len(cancelled_after) > MANY - 2 * _transfers._WAKE_CHUNK  # the parked ones, then cancelled
+    assert stats["ok"] == MANY and stats["cancelled"] == 0
     assert zero_resources(dst) and zero_resources(src)
