@@ -227,7 +227,9 @@ async def test_a_caller_cancelled_while_gathering_leaves_and_the_others_go_out(a
     goes out for the rest. On trio the order within a wave is shuffled: the cancelled caller
     may be a joiner instead, and the request may go out before it runs again (then it is
     aborted and posted again for the others, or found finished): the others are exact either
-    way, the cancelled one raises."""
+    way, and the cancelled one raises, or, when its request had already moved its block
+    before it ran again, returns its result and meets the cancellation at its next
+    checkpoint."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=31)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=32)
     before = [r.copy() for r in dst_cache]
@@ -242,6 +244,7 @@ async def test_a_caller_cancelled_while_gathering_leaves_and_the_others_go_out(a
                 if i == 1:
                     scope.cancel()  # delivered at the call's first checkpoint
                 done[i] = await dst.transfer_blocks(peer, [i], [i])
+                await anyio.lowlevel.checkpoint()
             if scope.cancelled_caught:
                 cancelled.append(i)
 
@@ -253,7 +256,9 @@ async def test_a_caller_cancelled_while_gathering_leaves_and_the_others_go_out(a
             for i in range(1, 9):
                 tg.start_soon(read, i)
         assert cancelled == [1]
-        assert sorted(done) == [2, 3, 4, 5, 6, 7, 8]
+        assert sorted(done) == [2, 3, 4, 5, 6, 7, 8] or (
+            anyio_backend == "trio" and sorted(done) == list(range(1, 9))
+            and all(np.array_equal(dst_cache[r][1], src_cache[r][1]) for r in range(REGIONS)))
         assert all(r.blocks == 1 for r in done.values())
         assert any(len(r) > REGIONS for r in posted)  # the others did ride together
         for region in range(REGIONS):
