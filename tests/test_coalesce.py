@@ -483,6 +483,7 @@ async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_la
             cancelled_after.append(block)
 
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        posted = posted_requests(dst, "local")
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 for block in range(MANY):
@@ -494,7 +495,11 @@ async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_la
         stats = dst.metrics().transfers["read"]
         for region in range(REGIONS):
             assert np.array_equal(dst_cache[region], src_cache[region])  # every block landed
-    assert sorted(returned) == list(range(MANY))  # and every caller was told so
-    assert len(cancelled_after) > MANY - 2 * _transfers._WAKE_CHUNK  # the parked ones, then cancelled
-    assert stats["ok"] == MANY and stats["cancelled"] == 0
+    # The first caller posted alone (a lone transfer still in flight when cancelled raises,
+    # as before); every member of the merged request was told its blocks landed.
+    members = {i for i in max(posted, key=len) if i < MANY}
+    assert len(members) > 2 * _transfers._WAKE_CHUNK
+    assert members <= set(returned)
+    assert len(cancelled_after) > len(members) - 2 * _transfers._WAKE_CHUNK  # parked, then cancelled
+    assert stats["ok"] >= len(members) and stats["cancelled"] <= MANY - len(members)
     assert zero_resources(dst) and zero_resources(src)
