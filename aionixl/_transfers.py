@@ -50,7 +50,7 @@ from ._regions import (
     region_offsets,
     small_indices,
 )
-from ._util import CLOSED, CLOSING, OPEN, NativeEvent, Unpark, check_timeout, deadline, loop_tools
+from ._util import ALL, CLOSED, CLOSING, OPEN, NativeEvent, Unpark, check_timeout, deadline, loop_tools
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -614,7 +614,7 @@ class Transfers:
         self._unpark_all = tools.unpark_all
         self._yield_now = tools.yield_now
         self._redelivers_cancel = tools.redelivers_cancel
-        self._wake_chunk = _WAKE_CHUNK if tools.redelivers_cancel else 1 << 62
+        self._wake_chunk = _WAKE_CHUNK if tools.redelivers_cancel else ALL
 
     # ---- waiting ------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "cl
 
 
 #: ``unpark_all``'s default limit: every sleeper listed.
-_ALL = 1 << 62
+ALL = 1 << 62
 
 
 class LoopTools(NamedTuple):
@@ -96,7 +96,7 @@ def _asyncio_yield() -> Awaitable[None]:
     return _ASYNCIO_YIELD
 
 
-def _asyncio_unpark_all(waiters: list[Any], limit: int = _ALL) -> int:
+def _asyncio_unpark_all(waiters: list[Any], limit: int = ALL) -> int:
     woken = seen = 0
     for future in waiters:
         seen += 1
@@ -161,7 +161,7 @@ def _trio_tools(trio: Any) -> LoopTools:
         waiters.append(task)
         return sleep()
 
-    def unpark_all(waiters: list[Any], limit: int = _ALL) -> int:
+    def unpark_all(waiters: list[Any], limit: int = ALL) -> int:
         woken = seen = 0
         for task in waiters:
             seen += 1
