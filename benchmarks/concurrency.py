@@ -13,8 +13,13 @@ agents in this process (DRAM): bare NIXL posts W requests, then polls them all u
 
 Timed from the release (or the first spawn) to the last transfer done. Reports microseconds
 per transfer (medians over repeats, with min and max), the ratio to bare NIXL at the same
-width, and each contender's growth from width 1 to width W. Floor rows run the same harness with each
-transfer replaced by nothing, or by one suspension: what the event loop alone costs.
+width, and each contender's growth from width 1 to width W. Floor rows run the same harness
+with each transfer replaced by nothing, by one suspension, or by the engine's own parking
+(callers park until the W-th of a round arrives and wakes them, as the end of a merged
+request does): what the event loop alone costs. "bare NIXL, one request" posts each round's
+W reads as one NIXL request (the request coalescing builds): NIXL's own cost per read once
+merged. A coalescing engine costs at least its park floor plus that; the rest of its time
+is its Python per call.
 Usage:
     .venv/bin/python benchmarks/concurrency.py [--widths 1 64 1024] [--harness loop wave]
 """
@@ -36,7 +41,8 @@ logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def bare(widths: list[int], regions: int, blocks: int, block_bytes: int, transfers: int,
-         repeats: int) -> dict[int, list[float]]:
+         repeats: int) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Per width: bare NIXL's batched loop (W requests), and the W reads as one request."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
@@ -57,10 +63,13 @@ def bare(widths: list[int], regions: int, blocks: int, block_bytes: int, transfe
     remote = a.prep_xfer_dlist("conc-bare-b", descs(mem_b), "DRAM")
     offsets = np.arange(regions, dtype=np.int32) * blocks
     out: dict[int, list[float]] = {}
+    merged: dict[int, list[float]] = {}
     for width in widths:
         idx = [offsets + (i % blocks) for i in range(width)]
+        # The same reads as one request, in local order (the order the engine merges in).
+        one = np.sort(np.concatenate(idx)).astype(np.int32)
         rounds = max(1, transfers // width)
-        results = []
+        results, results_one = [], []
         for rep in range(repeats + 1):
             t = time.perf_counter()
             for _ in range(rounds):
@@ -73,16 +82,31 @@ def bare(widths: list[int], regions: int, blocks: int, block_bytes: int, transfe
                     b.get_new_notifs()
                 for h in handles:
                     h.release()
+            spent = time.perf_counter() - t
+            assert all((m[:width] == 7).all() for m in mem_a)
+            for m in mem_a:
+                m.fill(0)  # so that the one-request reads are checked too
+            t = time.perf_counter()
+            for _ in range(rounds):
+                h = a.make_prepped_xfer("READ", local, one, remote, one)
+                state = a.transfer(h)
+                while state != "DONE":
+                    state = a.check_xfer_state(h)
+                    b.get_new_notifs()
+                h.release()
+            one_spent = time.perf_counter() - t
+            assert all((m[:width] == 7).all() for m in mem_a)
             if rep:
-                results.append((time.perf_counter() - t) / (rounds * width))
+                results.append(spent / (rounds * width))
+                results_one.append(one_spent / (rounds * width))
         out[width] = results
-    assert all((m == 7).all() for m in mem_a)
+        merged[width] = results_one
     local.release()
     remote.release()
     a.remove_remote_agent("conc-bare-b")
     for agent, reg in regs:
         agent.deregister_memory(reg)
-    return out
+    return out, merged
 
 
 async def released(transfer: Any, peer: aionixl.Peer, width: int, blocks: int, calls: int) -> float:
@@ -135,15 +159,34 @@ async def timed(harness: str, transfer: Any, peer: Any, width: int, blocks: int,
 
 
 async def floor(harness: str, widths: list[int], blocks: int, transfers: int, repeats: int,
-                suspend: bool) -> dict[int, list[float]]:
-    """The harness alone: each caller's transfer replaced by nothing, or by one suspension.
+                wait: str) -> dict[int, list[float]]:
+    """The harness alone, each caller's transfer replaced by nothing (``wait="none"``), by
+    one suspension (``"checkpoint"``), or by the engine's own parking (``"park"``).
 
-    No transfer engine on this event loop can beat the second: a caller that waits for a
-    merged request has to suspend at least once, and its wake-up costs what this row shows.
+    No coalescing engine on this event loop can beat the last: a caller that waits for a
+    merged request parks at least once, and its wake-up costs what that row shows.
     """
+    from aionixl._util import loop_tools
+
+    tools = loop_tools()
+    park, unpark_all = tools.park, tools.unpark_all
+    parked: list[Any] = []
+    arrived = 0
+    width = 1
+
     async def nothing(peer: Any, local: list[int], remote: list[int]) -> None:
-        if suspend:
+        nonlocal parked, arrived
+        if wait == "checkpoint":
             await anyio.lowlevel.checkpoint()
+        elif wait == "park":
+            # Each round's first W-1 callers park; the W-th wakes them (a merged request's end).
+            arrived += 1
+            if arrived < width:
+                await park(parked)
+            else:
+                arrived = 0
+                woken, parked = parked, []
+                unpark_all(woken)
 
     out: dict[int, list[float]] = {}
     for width in widths:
@@ -193,7 +236,8 @@ def main() -> None:
     blocks = max(args.widths)
     shape = (args.widths, args.regions, blocks, args.block_bytes)
     rows: dict[str, dict[int, list[float]]] = {}
-    rows["bare NIXL batched"] = bare(*shape, args.transfers, args.repeats)
+    rows["bare NIXL batched"], rows["bare NIXL, one request"] = bare(*shape, args.transfers,
+                                                                     args.repeats)
     for harness in args.harness:
         for backend in args.backends:
             for coalesce in (True,) if args.no_baseline_off else (True, False):
@@ -201,10 +245,11 @@ def main() -> None:
                 rows[name] = anyio.run(engine, harness, *shape, args.transfers, args.repeats,
                                        coalesce, backend=backend)
             if not args.no_floor:
-                for suspend in (False, True):
-                    name = f"{harness}: floor {backend} ({'one suspension' if suspend else 'no await'})"
-                    rows[name] = anyio.run(floor, harness, args.widths, blocks, args.transfers,
-                                           args.repeats, suspend, backend=backend)
+                for wait, what in (("none", "no await"), ("checkpoint", "one suspension"),
+                                   ("park", "engine's park")):
+                    rows[f"{harness}: floor {backend} ({what})"] = anyio.run(
+                        floor, harness, args.widths, blocks, args.transfers, args.repeats, wait,
+                        backend=backend)
     base = {w: statistics.median(v) for w, v in rows["bare NIXL batched"].items()}
     first = args.widths[0]
     print(f"one-block reads, {args.regions} regions x {args.block_bytes} B, in one process; "
