@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import anyio
+import anyio.abc
 import numpy as np
 import pytest
 import torch
@@ -514,21 +515,26 @@ async def test_calls_before_entering_raise_engine_closed() -> None:
 # ---- peer lifecycle: retries, restarts, fairness, drain ------------------------------------
 
 
-async def _silent_router_then_engine(address: str, attempts_seen: list[int],
-                                     src_cache: list[Any], started: anyio.Event,
-                                     stop: anyio.Event) -> None:
-    """Swallow the first hello at ``address`` (a peer that dies mid-handshake), then serve a
-    real engine on the same address until ``stop``."""
+async def _silent_router_then_engine(attempts_seen: list[int], src_cache: list[Any],
+                                     started: anyio.Event, stop: anyio.Event, *,
+                                     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+                                     ) -> None:
+    """Swallow the first hello at a fresh address (a peer that dies mid-handshake), then serve
+    a real engine on the same address until ``stop``. Reports the address once bound (bound
+    here, not picked beforehand: another process could take a port picked and let go)."""
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(address)
     try:
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:0")
+        address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        task_status.started(address)
         await _zmq.recv_multipart(router)
         attempts_seen.append(1)
     finally:
-        router.close(0)
-        ctx.term()
+        # Every socket, even after a failed bind: a context left to the garbage collector
+        # with a socket open can block the event loop in its finalizer (zmq_ctx_term).
+        ctx.destroy(linger=0)
     async with aionixl.Engine(unique("src"), src_cache, listen=address):
         started.set()
         await stop.wait()
@@ -536,7 +542,6 @@ async def _silent_router_then_engine(address: str, attempts_seen: list[int],
 
 @pytest.mark.parametrize("retries", [0, 3])
 async def test_connect_retries_reach_a_peer_that_restarted_mid_handshake(retries: int) -> None:
-    address = free_tcp_address()
     src = numpy_cache(4, 256, 1, seed=9)
     config = aionixl.EngineConfig(connect_retries=retries, connect_backoff=0.05,
                                   connect_attempt_timeout=1.0)
@@ -544,7 +549,7 @@ async def test_connect_retries_reach_a_peer_that_restarted_mid_handshake(retries
     started, stop = anyio.Event(), anyio.Event()
     local = numpy_cache(4, 256, 1)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_silent_router_then_engine, address, seen, src, started, stop)
+        address = await tg.start(_silent_router_then_engine, seen, src, started, stop)
         async with aionixl.Engine(unique("dst"), local, listen=None, config=config) as dst:
             try:
                 if retries == 0:
