@@ -218,7 +218,7 @@ class Transfers:
         self._park: Callable[[list[object]], Awaitable[None]] = _unbound_park
         self._unpark_all: Unpark = _unbound_unpark_all
         self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
-        self._wake_chunk = _WAKE_CHUNK
+        self._wake_chunk = ALL  # until bind_loop: chunks only where cancels are redelivered
         self._redelivers_cancel = False
         self._last_caller: object = None
         self._last_call = 0.0
