@@ -10,6 +10,7 @@ import pytest
 
 import aionixl
 from aionixl import _transfers
+from aionixl._regions import region_offsets, small_indices
 from aionixl.testing import RemoteEngine
 
 from .conftest import engine_pair, numpy_cache, unique, zero_resources
@@ -40,6 +41,44 @@ def posted_requests(engine: aionixl.Engine, side: str) -> list[list[int]]:
 
     agent.start_xfer = spy  # type: ignore[method-assign, assignment]
     return posted
+
+
+def _in_local_order(entries: list[Any]) -> tuple[list[int], list[int]]:
+    """What a merged request must carry: every member's (local, remote) descriptor pairs,
+    ordered by local descriptor, members in arrival order where local ones tie."""
+    pairs = sorted(((int(a), int(b)) for e in entries for a, b in zip(e[0], e[1], strict=True)),
+                   key=lambda pair: pair[0])
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merged_indices_pair_each_members_descriptors_in_local_order(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    local_blocks, remote_blocks = 64, 96  # the peer's cache is another size
+    local_offsets = region_offsets(REGIONS, local_blocks)
+    remote_offsets = region_offsets(REGIONS, remote_blocks)
+    local_list = local_offsets.ravel().tolist()
+    remote_list = remote_offsets.ravel().tolist()
+    # One-block members: sources may repeat (writes from one block to several), as lists
+    # (the engine's fast path) and as arrays (a caller that passed numpy ids).
+    entries: list[Any] = []
+    for i, theirs in enumerate(rng.permutation(remote_blocks)[:40].tolist()):
+        mine = int(rng.integers(0, local_blocks))
+        local_idx: Any = small_indices([mine], local_blocks, local_list)
+        remote_idx: Any = small_indices([theirs], remote_blocks, remote_list)
+        if i % 7 == 3:
+            local_idx, remote_idx = np.array(local_idx, np.int32), np.array(remote_idx, np.int32)
+        entries.append((local_idx, remote_idx, 1, b"", 1.0))
+    local, remote = _transfers._merged_indices(entries, len(entries), local_offsets, remote_offsets)
+    assert local.dtype == remote.dtype == np.int32
+    assert (local.tolist(), remote.tolist()) == _in_local_order(entries)
+    # With a member of several blocks the members' lists are joined instead: same pairing.
+    several = (small_indices([5, 9], local_blocks, local_list),
+               small_indices([90, 91], remote_blocks, remote_list), 2, b"", 1.0)
+    entries.insert(len(entries) // 2, several)
+    local, remote = _transfers._merged_indices(entries, len(entries) + 1, local_offsets,
+                                               remote_offsets)
+    assert (local.tolist(), remote.tolist()) == _in_local_order(entries)
 
 
 async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact() -> None:
