@@ -342,7 +342,8 @@ class Transfers:
                         if gathering.status != PROC:
                             self._returning -= 1
                         if gathering.status == DONE and gathering.error is None:
-                            self._retire(gathering)
+                            if gathering.handle != NO_HANDLE:
+                                self._retire(gathering)
                             now = self._last_yield = time.perf_counter()
                             return self.metrics.done(op, 1, started, gathering.posted_at,
                                                      gathering.finished_at, now, None)
@@ -596,7 +597,6 @@ class Transfers:
             pass  # the poller reports the failure to the others
         batch.remove(entry)
         self._retire(batch)  # abort
-        batch.handle = NO_HANDLE
         if batch.op == "read" and self.push is not None:
             # An aborted GET may still be writing: fence it (or evict the peer) before this
             # caller returns and before the others' blocks are read again.
@@ -606,8 +606,12 @@ class Transfers:
             self._post(batch)
 
     def _retire(self, batch: _Batch) -> None:
-        """Release a merged request's handle, once, if the table still says it is ours."""
+        """Release a merged request's handle, once, if the table still says it is ours.
+
+        The first member back does it; it forgets the handle, so that the others (who
+        check ``batch.handle`` before calling this) skip the call."""
         handle = batch.handle
+        batch.handle = NO_HANDLE
         if handle != NO_HANDLE and self.inflight.get(handle) is batch:
             del self.inflight[handle]
             assert self.agent is not None
