@@ -529,10 +529,11 @@ class Transfers:
         try:
             while batch.status == PROC:
                 if woken and time.perf_counter() >= entry[4]:
-                    await self._leave(batch, entry)
-                    raise TransferTimeoutError(
-                        f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
-                        "it was aborted")
+                    if await self._leave(batch, entry):
+                        raise TransferTimeoutError(
+                            f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
+                            "it was aborted")
+                    continue  # found finished on the way out
                 try:
                     await self._park(batch.waiters)
                 except BaseException as exc:
@@ -571,28 +572,32 @@ class Transfers:
         else:
             self._retire(batch)
 
-    async def _leave(self, batch: _Batch, entry: _Entry) -> None:
+    async def _leave(self, batch: _Batch, entry: _Entry) -> bool:
         """A member gives up (timeout, cancelled) before its merged request finished.
 
         Not posted yet: its blocks are taken out. Posted: the request is aborted (as a
         lone transfer would be) and, if other members remain, posted again for them alone,
         so that the leaver's blocks are not moved after it returned and the others are
-        not failed. A request found finished on the way out is simply reported finished.
+        not failed. A request found finished on the way out is reported finished: returns
+        False, and the member stays (a caller told its transfer timed out when its blocks
+        had landed would write, and notify, twice).
         """
         batch.live -= 1
         if not batch.posted:
             batch.remove(entry)  # its blocks never go out
-            return
+            return True
         if batch.status != PROC:
-            return
+            batch.live += 1
+            return False
         agent = self.agent
         handle = batch.handle
         if agent is None or self.inflight.get(handle) is not batch:
-            return  # already failed or released by a close or an eviction
+            return True  # already failed or released by a close or an eviction
         try:
             if agent.check(handle) == DONE:
                 batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
-                return
+                batch.live += 1
+                return False
         except AionixlError:
             pass  # the poller reports the failure to the others
         batch.remove(entry)
@@ -604,6 +609,7 @@ class Transfers:
         if batch.live > 0:
             self.reposts += 1
             self._post(batch)
+        return True
 
     def _retire(self, batch: _Batch) -> None:
         """Release a merged request's handle, once, if the table still says it is ours.

@@ -364,6 +364,58 @@ async def test_coalescing_off_posts_one_request_per_call() -> None:
         assert np.array_equal(dst_cache[0][:32], src_cache[0][:32])
 
 
+async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_its_blocks() -> None:
+    """The poller has not yet seen a merged read finish when one member's deadline passes;
+    that member, checking on its way out, finds the request done: it returns its result
+    (a caller told it timed out would move, and notify, twice), as do the others."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=31)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=0.05, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        transfers = dst._transfers
+        agent = transfers.agent
+        assert agent is not None
+        real_check, real_leave = agent.check, transfers._leave
+        unseen = True  # until a member leaves, the poller sees every request still moving
+
+        finished: set[int] = set()  # NIXL reports a request's end once
+
+        def check(handle: int) -> Any:
+            if handle not in finished and real_check(handle) == _transfers.DONE:
+                finished.add(handle)
+            if unseen:
+                return _transfers.PROC
+            return _transfers.DONE if handle in finished else real_check(handle)
+
+        async def leave(batch: Any, entry: Any) -> bool:
+            nonlocal unseen
+            unseen = False
+            return await real_leave(batch, entry)
+
+        agent.check = check  # type: ignore[method-assign]
+        transfers._leave = leave  # type: ignore[method-assign]
+        results: dict[int, aionixl.TransferResult] = {}
+
+        async def read(block: int, timeout: float) -> None:
+            results[block] = await dst.transfer_blocks(peer, [block], [block], timeout=timeout)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read, 2, 15)  # the first call goes out alone, at once
+                tg.start_soon(read, 1, 0.3)  # the others are merged
+                for block in (3, 4):
+                    tg.start_soon(read, block, 15)
+        assert not unseen and merged(dst) == (1, 3)
+        assert sorted(results) == [1, 2, 3, 4]
+        for block in (1, 2, 3, 4):
+            assert all(np.array_equal(d[block], s[block]) for d, s in zip(dst_cache, src_cache, strict=True))
+        assert results[1].seconds >= 0.3
+        counts = dst.metrics().transfers["read"]
+        assert counts["ok"] == 4 and counts["timeout"] == 0
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> None:
     """A stopped TCP peer keeps a merged write in flight: the members with a short timeout
     fail at their deadline, the others wait on and their blocks land after the resume."""
