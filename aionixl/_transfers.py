@@ -345,8 +345,8 @@ class Transfers:
                             if gathering.handle != NO_HANDLE:
                                 self._retire(gathering)
                             now = self._last_yield = time.perf_counter()
-                            return self.metrics.done(op, 1, started, gathering.posted_at,
-                                                     gathering.finished_at, now, None)
+                            return self.metrics.done_one(op, started, gathering.posted_at,
+                                                         gathering.finished_at, now)
                         return await self._member(gathering, entry, started, limit, True)
                 else:
                     dests = _destinations(dest)

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import aionixl
 from aionixl._metrics import LATENCY_BOUNDS, OUTCOMES, TransferMetrics
 from aionixl._ratelimit import RateLimitedLog
+from aionixl._transfers import TransferResult
 from aionixl.prometheus import EngineCollector
 from aionixl.testing import RemoteEngine
 
@@ -139,6 +140,22 @@ def test_histogram_folding_puts_each_value_where_bisect_does() -> None:
         assert m.bytes[w] == sum(i + 1 for i, _ in mine) * 10
         assert m.seconds_sum[w] == pytest.approx(sum(v for _, v in mine))
         assert m.post_sum[w] == pytest.approx(sum(v / 2 for _, v in mine))
+
+
+def test_done_one_records_exactly_what_done_records_for_one_block() -> None:
+    noisy = RateLimitedLog(logging.getLogger("test"))
+    general = TransferMetrics(TransferResult, 10, 3, noisy)
+    lean = TransferMetrics(TransferResult, 10, 3, noisy)
+    for i, v in enumerate([*LATENCY_BOUNDS, 0.0, 4e-6, 0.03]):
+        op = "write" if i % 4 == 0 else "read"
+        started = 100.0 + i  # posted v/3 later, seen at 2v/3, returned at v
+        times = (started, started + v / 3, started + 2 * v / 3, started + v)
+        assert lean.done_one(op, *times) == general.done(op, 1, *times, None)
+    general.flush()
+    lean.flush()
+    for field in ("outcomes", "bytes", "seconds", "seconds_sum", "post", "post_sum"):
+        assert getattr(lean, field) == getattr(general, field), field
+    assert lean.outcomes[0][0] > 0 and lean.outcomes[1][0] > 0
 
 
 # ---- failures, produced for real -------------------------------------------------------------
