@@ -272,8 +272,9 @@ class Transfers:
             self._peers.live(peer)  # raises the right error
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
-        local_idx: Indices | None = None
-        remote_idx: Indices | None = None
+        local_idx: Indices | None
+        remote_idx: Indices | None
+        local_idx = remote_idx = None
         nblocks = 1
         if type(local_blocks) is list and type(remote_blocks) is list \
                 and len(local_blocks) == 1 == len(remote_blocks):
@@ -307,8 +308,7 @@ class Transfers:
                 raise
             end = time.perf_counter()
             return self.metrics.done(op, nblocks, t0, t0, end, end, None)
-        agent = self.agent
-        assert agent is not None and local_idx is not None and remote_idx is not None
+        assert local_idx is not None and remote_idx is not None
         started = time.perf_counter()
         if self._coalesce:
             gathering = self._gathering.get((peer, op)) if self._gathering else None
@@ -324,13 +324,23 @@ class Transfers:
             self._last_call = started
             if together and (not message or MULTI_NOTIFY in peer.features):
                 limit = self._config.transfer_timeout if timeout is None else timeout
-                entry: _Entry = (local_idx, remote_idx, nblocks, message, started + limit)
+                expires = started + limit
+                entry: _Entry = (local_idx, remote_idx, nblocks, message, expires)
                 dest = local_blocks if op == "read" else remote_blocks
                 if nblocks == 1 and type(dest) is list:
                     dests: Sequence[int] = dest  # read at once, never kept
+                    block = dest[0]
                     if gathering is not None and gathering.blocks < self._max_merged \
-                            and dest[0] not in gathering.dests:
-                        gathering.add(entry, dests)
+                            and block not in gathering.dests:
+                        # _Batch.add, inline (the commonest join).
+                        gathering.entries.append(entry)
+                        gathering.blocks += 1
+                        gathering.dests.add(block)
+                        gathering.live += 1
+                        if message:
+                            gathering.messages += 1
+                        if expires < gathering.deadline:
+                            gathering.deadline = expires
                         # The commonest wait, inline: park until the merged request ends.
                         try:
                             await self._park(gathering.waiters)
@@ -339,9 +349,10 @@ class Transfers:
                                 await self._abandon(gathering, entry)
                                 self.metrics.failed(exc, peer, op, 1, started)
                                 raise
-                        if gathering.status != PROC:
+                        status = gathering.status
+                        if status != PROC:
                             self._returning -= 1
-                        if gathering.status == DONE and gathering.error is None:
+                        if status == DONE and gathering.error is None:
                             if gathering.handle != NO_HANDLE:
                                 self._retire(gathering)
                             now = self._last_yield = time.perf_counter()
@@ -355,6 +366,8 @@ class Transfers:
                     gathering.add(entry, dests)
                     return await self._member(gathering, entry, started, limit)
                 return await self._gather(peer, op, entry, dests, started, limit)
+        agent = self.agent
+        assert agent is not None
         try:
             handle, status = agent.start_xfer(op, self.local_dlist, local_idx, peer._dlist,
                                               remote_idx, message, self._inline_polls)
