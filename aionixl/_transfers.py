@@ -347,8 +347,9 @@ class Transfers:
                         except BaseException as exc:
                             if not self._finished_anyway(gathering, exc):
                                 await self._abandon(gathering, entry)
-                                self.metrics.failed(exc, peer, op, 1, started)
-                                raise
+                                if not self._finished_anyway(gathering, exc):
+                                    self.metrics.failed(exc, peer, op, 1, started)
+                                    raise
                         status = gathering.status
                         if status != PROC:
                             self._returning -= 1
@@ -552,7 +553,8 @@ class Transfers:
                 except BaseException as exc:
                     if not self._finished_anyway(batch, exc):
                         await self._abandon(batch, entry)
-                        raise
+                        if not self._finished_anyway(batch, exc):
+                            raise
                 woken = True
                 if batch.status != PROC:
                     self._returning -= 1
@@ -572,9 +574,10 @@ class Transfers:
 
     def _finished_anyway(self, batch: _Batch, exc: BaseException) -> bool:
         """A member cancelled while it waited for its wake, after its request had already
-        moved its blocks: report the transfer done (a caller told it failed would retry,
-        and write and notify twice). Only where the cancellation is raised again at the
-        caller's next checkpoint (trio); elsewhere it propagates."""
+        moved its blocks (or found so on its way out): report the transfer done (a caller
+        told it failed would retry, and write and notify twice). Only where the
+        cancellation is raised again at the caller's next checkpoint (trio); elsewhere it
+        propagates."""
         return self._redelivers_cancel and batch.status == DONE and batch.error is None \
             and isinstance(exc, anyio.get_cancelled_exc_class())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -364,6 +365,34 @@ async def test_coalescing_off_posts_one_request_per_call() -> None:
         assert np.array_equal(dst_cache[0][:32], src_cache[0][:32])
 
 
+def _hide_request_ends(transfers: Any) -> Callable[[], bool]:
+    """Keep the poller from seeing any request end until some member leaves (times out or
+    is cancelled): ``agent.check`` answers PROC meanwhile, remembering the real state, so
+    the member's own check on its way out finds the request finished. Returns whether a
+    member has left."""
+    agent = transfers.agent
+    assert agent is not None
+    real_check, real_leave = agent.check, transfers._leave
+    left = False
+    finished: set[int] = set()  # NIXL reports a request's end once
+
+    def check(handle: int) -> Any:
+        if handle not in finished and real_check(handle) == _transfers.DONE:
+            finished.add(handle)
+        if not left:
+            return _transfers.PROC
+        return _transfers.DONE if handle in finished else real_check(handle)
+
+    async def leave(batch: Any, entry: Any) -> bool:
+        nonlocal left
+        left = True
+        return await real_leave(batch, entry)
+
+    agent.check = check
+    transfers._leave = leave
+    return lambda: left
+
+
 async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_its_blocks() -> None:
     """The poller has not yet seen a merged read finish when one member's deadline passes;
     that member, checking on its way out, finds the request done: it returns its result
@@ -372,28 +401,7 @@ async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_it
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     config = aionixl.EngineConfig(coalesce_window=0.05, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
-        transfers = dst._transfers
-        agent = transfers.agent
-        assert agent is not None
-        real_check, real_leave = agent.check, transfers._leave
-        unseen = True  # until a member leaves, the poller sees every request still moving
-
-        finished: set[int] = set()  # NIXL reports a request's end once
-
-        def check(handle: int) -> Any:
-            if handle not in finished and real_check(handle) == _transfers.DONE:
-                finished.add(handle)
-            if unseen:
-                return _transfers.PROC
-            return _transfers.DONE if handle in finished else real_check(handle)
-
-        async def leave(batch: Any, entry: Any) -> bool:
-            nonlocal unseen
-            unseen = False
-            return await real_leave(batch, entry)
-
-        agent.check = check  # type: ignore[method-assign]
-        transfers._leave = leave  # type: ignore[method-assign]
+        someone_left = _hide_request_ends(dst._transfers)
         results: dict[int, aionixl.TransferResult] = {}
 
         async def read(block: int, timeout: float) -> None:
@@ -405,13 +413,70 @@ async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_it
                 tg.start_soon(read, 1, 0.3)  # the others are merged
                 for block in (3, 4):
                     tg.start_soon(read, block, 15)
-        assert not unseen and merged(dst) == (1, 3)
+        assert someone_left() and merged(dst) == (1, 3)
         assert sorted(results) == [1, 2, 3, 4]
         for block in (1, 2, 3, 4):
             assert all(np.array_equal(d[block], s[block]) for d, s in zip(dst_cache, src_cache, strict=True))
         assert results[1].seconds >= 0.3
         counts = dst.metrics().transfers["read"]
         assert counts["ok"] == 4 and counts["timeout"] == 0
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
+@pytest.mark.parametrize("role", ["gatherer", "joiner"])
+async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks_on_trio(
+        anyio_backend: str, role: str) -> None:
+    """A member (the one that gathered the request, or one that joined it) is cancelled
+    while the poller has not yet seen its merged read end; on its way out it finds the
+    request done. On trio it returns its result and meets the cancellation at its next
+    checkpoint; asyncio's one-shot cancel propagates."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=32)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=0.05, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        someone_left = _hide_request_ends(dst._transfers)
+        results: dict[int, aionixl.TransferResult] = {}
+        events: list[str] = []
+        scope = anyio.CancelScope()
+
+        async def read(block: int) -> None:
+            results[block] = await dst.transfer_blocks(peer, [block], [block], timeout=15)
+
+        async def cancelled_read() -> None:
+            with scope:
+                try:
+                    results[1] = await dst.transfer_blocks(peer, [1], [1], timeout=15)
+                except anyio.get_cancelled_exc_class():
+                    events.append("raised")
+                    raise
+                events.append("returned")
+                await anyio.lowlevel.checkpoint()
+                events.append("not cancelled")
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read, 2)  # the first call goes out alone, at once
+                if role == "joiner":  # the others are merged
+                    tg.start_soon(read, 3)
+                tg.start_soon(cancelled_read)
+                if role == "gatherer":
+                    tg.start_soon(read, 3)
+                tg.start_soon(read, 4)
+                await anyio.sleep(0.3)  # the read has landed by now; the poller does not know
+                assert not someone_left() and not results
+                scope.cancel()
+        assert someone_left() and merged(dst) == (1, 3)
+        for block in (1, 2, 3, 4):
+            assert all(np.array_equal(d[block], s[block])
+                       for d, s in zip(dst_cache, src_cache, strict=True))
+        counts = dst.metrics().transfers["read"]
+        if anyio_backend == "trio":
+            assert events == ["returned"] and sorted(results) == [1, 2, 3, 4]
+            assert counts["ok"] == 4 and counts["cancelled"] == 0
+        else:
+            assert events == ["raised"] and sorted(results) == [2, 3, 4]
+            assert counts["ok"] == 3 and counts["cancelled"] == 1
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
