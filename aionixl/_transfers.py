@@ -189,14 +189,15 @@ _GATHER_MORE = 2
 #: Bytes from which a merged request gets a loop turn of its own before it is posted
 #: (NIXL copies the data inside the post on this path: ~0.1 ms per MiB).
 _LONG_POST = 1 << 20
-#: Members woken at once when a merged request ends (on trio); the poller wakes the rest,
-#: this many per loop turn. Waking a task allocates an object that lives until the task runs, so
+#: Members woken at once when a merged request ends; the poller wakes the rest, this many
+#: per loop turn. Waking a task allocates an object that lives until the task runs, so
 #: waking 1024 at once sets off a young-generation collection (threshold 700) while every
 #: parked caller's objects are young: they all get traversed and promoted, and gen-2
 #: collections (the whole heap, torch's included) follow. In chunks, each woken member
-#: frees about what the next call allocates, and the collections all but stop. Only on
-#: trio: a member still waiting for its wake can be cancelled, and only trio raises an
-#: absorbed cancellation again (see ``_finished_anyway``); asyncio wakes everyone at once.
+#: frees about what the next call allocates, and the collections all but stop. A member
+#: still waiting for its wake can be cancelled after its blocks landed: it keeps its result
+#: and meets the cancellation at its next checkpoint (``_keep_result``). Where a loop could
+#: not raise it again (``LoopTools.redelivers_cancel`` false) everyone is woken at once.
 _WAKE_CHUNK = 128
 
 
@@ -228,6 +229,7 @@ class Transfers:
         self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._wake_chunk = ALL  # until bind_loop: chunks only where cancels are redelivered
         self._redelivers_cancel = False
+        self._recancel: Callable[[BaseException], None] = _no_recancel
         self._last_caller: object = None
         self._last_call = 0.0
         #: Members woken by the end of their merged request that have not run again yet
@@ -345,9 +347,9 @@ class Transfers:
                         try:
                             await self._park(gathering.waiters)
                         except BaseException as exc:
-                            if not self._finished_anyway(gathering, exc):
+                            if not self._keep_result(gathering, exc):
                                 await self._abandon(gathering, entry)
-                                if not self._finished_anyway(gathering, exc):
+                                if not self._keep_result(gathering, exc):
                                     self.metrics.failed(exc, peer, op, 1, started)
                                     raise
                         status = gathering.status
@@ -551,9 +553,9 @@ class Transfers:
                 try:
                     await self._park(batch.waiters)
                 except BaseException as exc:
-                    if not self._finished_anyway(batch, exc):
+                    if not self._keep_result(batch, exc):
                         await self._abandon(batch, entry)
-                        if not self._finished_anyway(batch, exc):
+                        if not self._keep_result(batch, exc):
                             raise
                 woken = True
                 if batch.status != PROC:
@@ -572,14 +574,17 @@ class Transfers:
         return self.metrics.done(batch.op, entry[2], started, batch.posted_at, batch.finished_at, now,
                                  None)
 
-    def _finished_anyway(self, batch: _Batch, exc: BaseException) -> bool:
+    def _keep_result(self, batch: _Batch, exc: BaseException) -> bool:
         """A member cancelled while it waited for its wake, after its request had already
         moved its blocks (or found so on its way out): report the transfer done (a caller
-        told it failed would retry, and write and notify twice). Only where the
-        cancellation is raised again at the caller's next checkpoint (trio); elsewhere it
-        propagates."""
-        return self._redelivers_cancel and batch.status == DONE and batch.error is None \
-            and isinstance(exc, anyio.get_cancelled_exc_class())
+        told it failed would retry, and write and notify twice). The cancellation is not
+        lost: it is raised at the caller's next checkpoint (trio does that by itself; on
+        asyncio the task's cancellation is requested again, ``LoopTools.recancel``)."""
+        if self._redelivers_cancel and batch.status == DONE and batch.error is None \
+                and isinstance(exc, anyio.get_cancelled_exc_class()):
+            self._recancel(exc)
+            return True
+        return False
 
     async def _abandon(self, batch: _Batch, entry: _Entry) -> None:
         """A parked member was cancelled (or interrupted): take its part out."""
@@ -648,6 +653,7 @@ class Transfers:
         self._unpark_all = tools.unpark_all
         self._yield_now = tools.yield_now
         self._redelivers_cancel = tools.redelivers_cancel
+        self._recancel = tools.recancel
         self._wake_chunk = _WAKE_CHUNK if tools.redelivers_cancel else ALL
 
     # ---- waiting ------------------------------------------------------------------------
@@ -812,6 +818,10 @@ def _still_moving(agent: Agent, handle: int) -> bool:
 
 
 def _no_task() -> object:
+    return None
+
+
+def _no_recancel(exc: BaseException) -> None:
     return None
 
 

@@ -34,9 +34,11 @@ class LoopTools(NamedTuple):
     #: One trip through the loop (the tasks already scheduled run first); cancellable.
     yield_now: Callable[[], Awaitable[None]]
     #: Whether a cancellation that an operation absorbs (because it had already completed)
-    #: is raised again at the task's next checkpoint: true on trio, where a cancel scope
-    #: stays cancelled; not for asyncio's one-shot ``Task.cancel()``.
+    #: is raised again at the task's next checkpoint, once handed to ``recancel``: on trio
+    #: by itself (a cancel scope stays cancelled); on asyncio ``recancel`` requests it again.
     redelivers_cancel: bool = False
+    #: Called with an absorbed cancellation, in the task that absorbed it.
+    recancel: Callable[[BaseException], None] = lambda exc: None
 
 
 class Unpark(Protocol):
@@ -76,7 +78,18 @@ def loop_tools() -> LoopTools:
             waiters.append(future)
             return future
 
-        return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all, _asyncio_yield)
+        def recancel(exc: BaseException) -> None:
+            # The task absorbed the CancelledError that a cancel() request threw into it:
+            # request it again, so that its next checkpoint raises it (with its message,
+            # which anyio reads), and take the first request back, so that Task.cancelling()
+            # counts one, as before (asyncio.timeout and anyio compare those counts).
+            task = current()
+            if task is not None:
+                task.uncancel()
+                task.cancel(exc.args[0] if exc.args else None)
+
+        return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all, _asyncio_yield,
+                         True, recancel)
 
 
 class _AsyncioYield:

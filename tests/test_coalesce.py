@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -368,13 +370,23 @@ async def test_coalescing_off_posts_one_request_per_call() -> None:
 def _hide_request_ends(transfers: Any) -> Callable[[], bool]:
     """Keep the poller from seeing any request end until some member leaves (times out or
     is cancelled): ``agent.check`` answers PROC meanwhile, remembering the real state, so
-    the member's own check on its way out finds the request finished. Returns whether a
-    member has left."""
+    the member's own check on its way out finds the request finished. A request that
+    finished inside its post (in one process, often) is reported posted and running, under
+    a handle of its own that only these wrappers know. Returns whether a member has left."""
     agent = transfers.agent
     assert agent is not None
-    real_check, real_leave = agent.check, transfers._leave
+    real_start, real_check, real_leave = agent.start_xfer, agent.check, transfers._leave
     left = False
     finished: set[int] = set()  # NIXL reports a request's end once
+    stand_ins = itertools.count(-1000, -1)  # never a NIXL handle; release_xfer passes them
+
+    def start_xfer(*args: Any) -> Any:
+        handle, state = real_start(*args)
+        if state == _transfers.DONE and handle == _transfers.NO_HANDLE:
+            handle = next(stand_ins)
+            finished.add(handle)
+            return handle, _transfers.PROC
+        return handle, state
 
     def check(handle: int) -> Any:
         if handle not in finished and real_check(handle) == _transfers.DONE:
@@ -388,6 +400,7 @@ def _hide_request_ends(transfers: Any) -> Callable[[], bool]:
         left = True
         return await real_leave(batch, entry)
 
+    agent.start_xfer = start_xfer
     agent.check = check
     transfers._leave = leave
     return lambda: left
@@ -399,8 +412,10 @@ async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_it
     (a caller told it timed out would move, and notify, twice), as do the others."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=31)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=0.05, inline_polls=0)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        # Another task called just now (a wide window), so the first of the three gathers.
+        await dst.transfer_blocks(peer, [2], [2])
         someone_left = _hide_request_ends(dst._transfers)
         results: dict[int, aionixl.TransferResult] = {}
 
@@ -409,12 +424,11 @@ async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_it
 
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(read, 2, 15)  # the first call goes out alone, at once
-                tg.start_soon(read, 1, 0.3)  # the others are merged
+                tg.start_soon(read, 1, 0.3)
                 for block in (3, 4):
                     tg.start_soon(read, block, 15)
         assert someone_left() and merged(dst) == (1, 3)
-        assert sorted(results) == [1, 2, 3, 4]
+        assert sorted(results) == [1, 3, 4]
         for block in (1, 2, 3, 4):
             assert all(np.array_equal(d[block], s[block]) for d, s in zip(dst_cache, src_cache, strict=True))
         assert results[1].seconds >= 0.3
@@ -425,16 +439,16 @@ async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_it
 
 
 @pytest.mark.parametrize("role", ["gatherer", "joiner"])
-async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks_on_trio(
-        anyio_backend: str, role: str) -> None:
+async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks(role: str) -> None:
     """A member (the one that gathered the request, or one that joined it) is cancelled
     while the poller has not yet seen its merged read end; on its way out it finds the
-    request done. On trio it returns its result and meets the cancellation at its next
-    checkpoint; asyncio's one-shot cancel propagates."""
+    request done. It returns its result and meets the cancellation at its next checkpoint."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=32)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=0.05, inline_polls=0)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        # Another task called just now (a wide window), so the first of the three gathers.
+        await dst.transfer_blocks(peer, [2], [2])
         someone_left = _hide_request_ends(dst._transfers)
         results: dict[int, aionixl.TransferResult] = {}
         events: list[str] = []
@@ -456,8 +470,9 @@ async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks_on_
 
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(read, 2)  # the first call goes out alone, at once
-                if role == "joiner":  # the others are merged
+                # Trio runs a batch of new tasks forwards or backwards: there the role
+                # is either; asyncio keeps the order.
+                if role == "joiner":
                     tg.start_soon(read, 3)
                 tg.start_soon(cancelled_read)
                 if role == "gatherer":
@@ -471,12 +486,8 @@ async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks_on_
             assert all(np.array_equal(d[block], s[block])
                        for d, s in zip(dst_cache, src_cache, strict=True))
         counts = dst.metrics().transfers["read"]
-        if anyio_backend == "trio":
-            assert events == ["returned"] and sorted(results) == [1, 2, 3, 4]
-            assert counts["ok"] == 4 and counts["cancelled"] == 0
-        else:
-            assert events == ["raised"] and sorted(results) == [2, 3, 4]
-            assert counts["ok"] == 3 and counts["cancelled"] == 1
+        assert events == ["returned"] and sorted(results) == [1, 3, 4]
+        assert counts["ok"] == 4 and counts["cancelled"] == 0  # block 2's read too
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
@@ -561,11 +572,8 @@ async def test_members_beyond_one_wake_chunk_all_wake_with_their_own_bytes() -> 
     assert zero_resources(dst) and zero_resources(src)
 
 
-async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting(anyio_backend: str) -> None:
-    """The poller wakes all but the first chunk; closing stops it, and it wakes the rest.
-    (Chunks are trio's: asyncio wakes every member at once.)"""
-    if anyio_backend != "trio":
-        pytest.skip("members are woken in chunks on trio only")
+async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting() -> None:
+    """The poller wakes all but the first chunk; closing stops it, and it wakes the rest."""
     src_cache = numpy_cache(MANY, 512, REGIONS, seed=32)
     dst_cache = numpy_cache(MANY, 512, REGIONS)
     outcomes: list[str] = []
@@ -618,12 +626,10 @@ async def test_a_merged_request_of_a_mebibyte_or_more_carries_every_member_exact
 
 
 async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_landed_reports_them(
-        anyio_backend: str) -> None:
-    """On trio the members of an ended request are woken a chunk at a time; one cancelled
-    before its turn comes gets its result (its blocks did land: told otherwise it would
-    retry, and write and notify twice), and the cancellation at its next checkpoint."""
-    if anyio_backend != "trio":
-        pytest.skip("members are woken in chunks on trio only")
+        ) -> None:
+    """The members of an ended request are woken a chunk at a time; one cancelled before its
+    turn comes gets its result (its blocks did land: told otherwise it would retry, and
+    write and notify twice), and the cancellation at its next checkpoint."""
     src_cache = numpy_cache(MANY, 512, REGIONS, seed=34)
     dst_cache = numpy_cache(MANY, 512, REGIONS)
     returned: list[int] = []
@@ -658,4 +664,92 @@ async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_la
     assert members <= set(returned)
     assert len(cancelled_after) > len(members) - 2 * _transfers._WAKE_CHUNK  # parked, then cancelled
     assert stats["ok"] >= len(members) and stats["cancelled"] <= MANY - len(members)
+    assert zero_resources(dst) and zero_resources(src)
+
+
+# ---- asyncio's own cancellation: a kept result requests the cancellation again ------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_on_asyncio_a_member_that_keeps_its_result_still_times_out_in_asyncio_timeout(
+        ) -> None:
+    """``asyncio.timeout`` expiring while members wait for their wake chunk: each keeps its
+    result, then its next await raises, and the timeout turns that into TimeoutError
+    (the cancellation was requested again and is counted once, as the timeout expects)."""
+    src_cache = numpy_cache(MANY, 512, REGIONS, seed=35)
+    dst_cache = numpy_cache(MANY, 512, REGIONS)
+    loop = asyncio.get_running_loop()
+    timeouts: list[asyncio.Timeout] = []
+    returned: list[int] = []
+    went_on: list[int] = []
+    timed_out: list[int] = []
+    leaked: list[int] = []
+
+    async def caller(engine: aionixl.Engine, peer: aionixl.Peer, block: int) -> None:
+        try:
+            async with asyncio.timeout(None) as timeout:
+                timeouts.append(timeout)
+                await engine.transfer_blocks(peer, [block], [block])
+                returned.append(block)
+                await asyncio.sleep(0)
+                went_on.append(block)
+        except TimeoutError:
+            timed_out.append(block)
+        except asyncio.CancelledError:
+            leaked.append(block)
+
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        posted = posted_requests(dst, "local")
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for block in range(MANY):
+                    tg.start_soon(caller, dst, peer, block)
+                while not dst._transfers._waking:  # a request ended, chunks still parked
+                    await anyio.sleep(0)
+                for timeout in timeouts:
+                    timeout.reschedule(loop.time())
+        for region in range(REGIONS):
+            assert np.array_equal(dst_cache[region], src_cache[region])
+    members = {i for i in max(posted, key=len) if i < MANY}
+    assert len(members) > 2 * _transfers._WAKE_CHUNK
+    assert leaked == []
+    assert len(timed_out) + len(went_on) == MANY
+    assert members <= set(returned)
+    assert len(set(timed_out) & members) > len(members) - 2 * _transfers._WAKE_CHUNK
+    assert zero_resources(dst) and zero_resources(src)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_on_asyncio_a_member_that_keeps_its_result_still_stops_with_its_task_group(
+        ) -> None:
+    """Long-lived readers in an ``asyncio.TaskGroup`` whose sibling fails while members wait
+    for their wake chunk: a reader that keeps its result is still cancelled at its next
+    await, so every reader stops and the group raises the sibling's error."""
+    src_cache = numpy_cache(MANY, 512, REGIONS, seed=36)
+    dst_cache = numpy_cache(MANY, 512, REGIONS)
+    stopped: list[int] = []
+
+    async def reader(engine: aionixl.Engine, peer: aionixl.Peer, block: int) -> None:
+        try:
+            for _ in range(300):  # bounded: a reader that lost its cancellation ends here
+                await engine.transfer_blocks(peer, [block], [block])
+        except asyncio.CancelledError:
+            stopped.append(block)
+            raise
+
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        async def fail_when_chunks_wait() -> None:
+            while not dst._transfers._waking:
+                await asyncio.sleep(0)
+            raise ValueError("sibling failed")
+
+        with anyio.fail_after(30), pytest.raises(ExceptionGroup) as caught:
+            async with asyncio.TaskGroup() as group:
+                for block in range(MANY):
+                    group.create_task(reader(dst, peer, block))
+                group.create_task(fail_when_chunks_wait())
+        assert [type(e) for e in caught.value.exceptions] == [ValueError]
+        assert sorted(stopped) == list(range(MANY))
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
     assert zero_resources(dst) and zero_resources(src)

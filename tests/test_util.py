@@ -149,3 +149,61 @@ async def test_unpark_all_with_a_limit_wakes_that_many_from_the_front(tools: str
         assert t.unpark_all(waiters, 2) == 1
         assert waiters == []
     assert sorted(woke) == [0, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_recancel_on_asyncio_raises_the_same_cancellation_at_the_next_await() -> None:
+    """A task that absorbed a CancelledError hands it to ``recancel``: its next await raises
+    one with the same message, and ``Task.cancelling()`` counts it once, as before."""
+    import asyncio
+
+    tools = _util.loop_tools()
+    assert tools.redelivers_cancel
+    seen: list[tuple[str, Any, int]] = []
+    parked = asyncio.Event()
+
+    async def absorber() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            parked.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError as exc:
+            seen.append(("absorbed", exc.args, task.cancelling()))
+            tools.recancel(exc)
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError as exc:
+            seen.append(("raised", exc.args, task.cancelling()))
+            raise
+        seen.append(("went on", (), task.cancelling()))
+
+    task = asyncio.create_task(absorber())
+    await parked.wait()
+    task.cancel("why")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == [("absorbed", ("why",), 1), ("raised", ("why",), 1)]
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_recancel_on_trio_leaves_the_cancellation_to_trio() -> None:
+    """Trio raises an absorbed cancellation again by itself (the scope stays cancelled)."""
+    import trio
+
+    tools = _util.loop_tools()
+    assert tools.redelivers_cancel
+    seen: list[str] = []
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            seen.append("absorbed")
+            tools.recancel(exc)
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled:
+            seen.append("raised")
+            raise
+    assert seen == ["absorbed", "raised"] and scope.cancelled_caught
