@@ -32,12 +32,11 @@ class VllmPrefill:
 
     def __init__(self, layers: int = 4, blocks: int = 64, lease_s: int = 30) -> None:
         read_fd, write_fd = os.pipe()
-        self.port = free_port()
         try:
+            # The worker picks its own ports as it binds them (vllm_worker.free_port).
             self.proc = subprocess.Popen(
-                [sys.executable, str(WORKER), "--fd", str(write_fd), "--port", str(self.port),
-                 "--dist-port", str(free_port()), "--layers", str(layers), "--blocks", str(blocks),
-                 "--lease-s", str(lease_s)],
+                [sys.executable, str(WORKER), "--fd", str(write_fd), "--layers", str(layers),
+                 "--blocks", str(blocks), "--lease-s", str(lease_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(write_fd,))
         finally:
             os.close(write_fd)

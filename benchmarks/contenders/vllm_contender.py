@@ -105,10 +105,9 @@ def run(ctx: Any) -> dict[str, Any]:
     ctx.rest()  # the aionixl prefill side is not involved: leave the CPUs to the vLLM processes
     ctx.progress(f"vLLM connector: starting a vLLM prefill and a vLLM decode worker (log: {log_path})")
     with open(log_path, "ab") as log:
-        prefill = Child("vllm_worker.py", ["--quiet", "--port", str(free_port()), "--dist-port",
-                                           str(free_port()), "--lease-s", "600", *geometry], log)
-        decode = Child("vllm_decode.py", ["--port", str(free_port()), "--dist-port", str(free_port()),
-                                          *geometry], log)
+        # Each worker picks its own ports as it binds them (vllm_worker.free_port).
+        prefill = Child("vllm_worker.py", ["--quiet", "--lease-s", "600", *geometry], log)
+        decode = Child("vllm_decode.py", geometry, log)
         try:
             p_ready = prefill.line(300)["ready"]
             d_ready = decode.line(300)["ready"]

@@ -208,8 +208,9 @@ class Decode:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--fd", type=int, required=True)
-    p.add_argument("--port", type=int, required=True, help="this decode's vLLM side-channel port")
-    p.add_argument("--dist-port", type=int, required=True, help="gloo rendezvous port")
+    p.add_argument("--port", type=int, default=0,
+                   help="this decode's vLLM side-channel port (0: pick one)")
+    p.add_argument("--dist-port", type=int, default=0, help="gloo rendezvous port (0: pick one)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=32, help="tokens per block")
@@ -227,7 +228,7 @@ def main() -> None:
 
     side = VllmSide("decode", args.engine_id, args.port, args.layers, args.blocks, args.block_size,
                     args.kv_heads, args.head_dim, 30, args.dist_port, unpin=args.unpin)
-    decode = Decode(side, args.port)
+    decode = Decode(side, side.port)
     emit({"ready": {"pid": os.getpid(), "page_bytes": side.page_bytes, "layers": side.layers,
                     "blocks": side.blocks, "threads_base": side.threads_base,
                     "threads_open": thread_count(), "vllm_affinity": side.affinity,

@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import select
+import socket
 import sys
 import tempfile
 import time
@@ -62,12 +63,26 @@ def write_model_config(folder: str, layers: int, kv_heads: int, head_dim: int) -
     staged.replace(Path(folder, "config.json"))  # atomic: processes may write it at once
 
 
+def free_port() -> int:
+    """A port free right now, for this process to bind at once. The parent picking it would
+    leave it free only until this process, many seconds of imports later, binds it; in CI
+    something else had taken one meanwhile (EADDRINUSE in gloo's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class VllmSide:
-    """One vLLM worker's connector pair over a patterned KV cache (prefill or decode)."""
+    """One vLLM worker's connector pair over a patterned KV cache (prefill or decode).
+
+    ``port`` (the side channel) and ``dist_port`` (gloo's rendezvous): 0 picks one here,
+    just before it is bound; ``self.port`` is the side channel's."""
 
     def __init__(self, role: str, engine_id: str, port: int, layers: int, blocks: int,
                  block_size: int, kv_heads: int, head_dim: int, lease_s: int, dist_port: int,
                  unpin: bool = False) -> None:
+        port = port or free_port()
+        self.port = port
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         import torch
@@ -110,7 +125,7 @@ class VllmSide:
         self._ctx = set_current_vllm_config(self.config)
         self._ctx.__enter__()
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{dist_port}")
+                                     distributed_init_method=f"tcp://127.0.0.1:{dist_port or free_port()}")
         ensure_model_parallel_initialized(1, 1)
         self._unpin = unpin
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
@@ -246,8 +261,8 @@ class PrefillLoop:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--fd", type=int, required=True)
-    p.add_argument("--port", type=int, required=True, help="vLLM side-channel port")
-    p.add_argument("--dist-port", type=int, required=True, help="gloo rendezvous port")
+    p.add_argument("--port", type=int, default=0, help="vLLM side-channel port (0: pick one)")
+    p.add_argument("--dist-port", type=int, default=0, help="gloo rendezvous port (0: pick one)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--block-size", type=int, default=32, help="tokens per block")
