@@ -367,12 +367,16 @@ async def test_coalescing_off_posts_one_request_per_call() -> None:
         assert np.array_equal(dst_cache[0][:32], src_cache[0][:32])
 
 
-def _hide_request_ends(transfers: Any) -> Callable[[], bool]:
-    """Keep the poller from seeing any request end until some member leaves (times out or
-    is cancelled): ``agent.check`` answers PROC meanwhile, remembering the real state, so
-    the member's own check on its way out finds the request finished. A request that
-    finished inside its post (in one process, often) is reported posted and running, under
-    a handle of its own that only these wrappers know. Returns whether a member has left."""
+async def _hide_request_ends(dst: aionixl.Engine, peer: aionixl.Peer) -> Callable[[], bool]:
+    """Read block 2 once (so, with a wide ``coalesce_window``, the next call from another
+    task gathers), then keep the poller from seeing any request end until some member
+    leaves (times out or is cancelled): ``agent.check`` answers PROC meanwhile, remembering
+    the real state, so the member's own check on its way out finds the request finished.
+    A request that finished inside its post (in one process, often) is reported posted and
+    running, under a handle of its own that only these wrappers know. Returns whether a
+    member has left."""
+    await dst.transfer_blocks(peer, [2], [2])
+    transfers = dst._transfers
     agent = transfers.agent
     assert agent is not None
     real_start, real_check, real_leave = agent.start_xfer, agent.check, transfers._leave
@@ -414,9 +418,7 @@ async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_it
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
-        # Another task called just now (a wide window), so the first of the three gathers.
-        await dst.transfer_blocks(peer, [2], [2])
-        someone_left = _hide_request_ends(dst._transfers)
+        someone_left = await _hide_request_ends(dst, peer)  # block 2 read: the next gathers
         results: dict[int, aionixl.TransferResult] = {}
 
         async def read(block: int, timeout: float) -> None:
@@ -447,9 +449,7 @@ async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks(rol
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
-        # Another task called just now (a wide window), so the first of the three gathers.
-        await dst.transfer_blocks(peer, [2], [2])
-        someone_left = _hide_request_ends(dst._transfers)
+        someone_left = await _hide_request_ends(dst, peer)  # block 2 read: the next gathers
         results: dict[int, aionixl.TransferResult] = {}
         events: list[str] = []
         scope = anyio.CancelScope()
@@ -625,6 +625,19 @@ async def test_a_merged_request_of_a_mebibyte_or_more_carries_every_member_exact
     assert zero_resources(dst) and zero_resources(src)
 
 
+async def _until_chunks_wait_then(dst: aionixl.Engine, peer: aionixl.Peer, caller: Any,
+                                  act: Callable[[], object]) -> None:
+    """Run ``caller(dst, peer, block)`` for MANY blocks; once a merged request has ended
+    with members still parked for their wake chunk, call ``act`` (it cancels them)."""
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for block in range(MANY):
+                tg.start_soon(caller, dst, peer, block)
+            while not dst._transfers._waking:  # a request ended, chunks still parked
+                await anyio.sleep(0)
+            act()
+
+
 async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_landed_reports_them(
         ) -> None:
     """The members of an ended request are woken a chunk at a time; one cancelled before its
@@ -646,14 +659,7 @@ async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_la
 
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
         posted = posted_requests(dst, "local")
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                for block in range(MANY):
-                    tg.start_soon(caller, dst, peer, block)
-                while not dst._transfers._waking:  # a request ended, chunks still parked
-                    await anyio.sleep(0)
-                for scope in scopes:
-                    scope.cancel()
+        await _until_chunks_wait_then(dst, peer, caller, lambda: [s.cancel() for s in scopes])
         stats = dst.metrics().transfers["read"]
         for region in range(REGIONS):
             assert np.array_equal(dst_cache[region], src_cache[region])  # every block landed
@@ -700,14 +706,8 @@ async def test_on_asyncio_a_member_that_keeps_its_result_still_times_out_in_asyn
 
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
         posted = posted_requests(dst, "local")
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                for block in range(MANY):
-                    tg.start_soon(caller, dst, peer, block)
-                while not dst._transfers._waking:  # a request ended, chunks still parked
-                    await anyio.sleep(0)
-                for timeout in timeouts:
-                    timeout.reschedule(loop.time())
+        await _until_chunks_wait_then(dst, peer, caller,
+                                      lambda: [t.reschedule(loop.time()) for t in timeouts])
         for region in range(REGIONS):
             assert np.array_equal(dst_cache[region], src_cache[region])
     members = {i for i in max(posted, key=len) if i < MANY}
