@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -230,6 +231,12 @@ class Transfers:
         self._wake_chunk = ALL  # until bind_loop: chunks only where cancels are redelivered
         self._redelivers_cancel = False
         self._recancel: Callable[[BaseException], None] = _no_recancel
+        #: Tasks that kept a result after a cancellation (``_keep_result``) and still owe it:
+        #: their next call takes a checkpoint first. Without it a member cancelled while its
+        #: request gathered, which ran again only after the request finished, could keep one
+        #: result after another and never see its cancellation. ``_owing``: any listed.
+        self._owed: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._owing = False
         self._last_caller: object = None
         self._last_call = 0.0
         #: Members woken by the end of their merged request that have not run again yet
@@ -311,6 +318,8 @@ class Transfers:
             end = time.perf_counter()
             return self.metrics.done(op, nblocks, t0, t0, end, end, None)
         assert local_idx is not None and remote_idx is not None
+        if self._owing:
+            await self._pay_owed_cancel()
         started = time.perf_counter()
         if self._coalesce:
             gathering = self._gathering.get((peer, op)) if self._gathering else None
@@ -583,8 +592,19 @@ class Transfers:
         if self._redelivers_cancel and batch.status == DONE and batch.error is None \
                 and isinstance(exc, anyio.get_cancelled_exc_class()):
             self._recancel(exc)
+            self._owed.add(self._current_task())
+            self._owing = True
             return True
         return False
+
+    async def _pay_owed_cancel(self) -> None:
+        """A task that kept a result after a cancellation calls again: a checkpoint first,
+        which raises that cancellation if it is still pending (see ``_owed``)."""
+        task = self._current_task()
+        if task in self._owed:
+            self._owed.discard(task)
+            self._owing = len(self._owed) > 0
+            await self._yield_now()
 
     async def _abandon(self, batch: _Batch, entry: _Entry) -> None:
         """A parked member was cancelled (or interrupted): take its part out."""

@@ -738,9 +738,19 @@ async def test_on_asyncio_a_member_that_keeps_its_result_still_stops_with_its_ta
             raise
 
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        transfers = dst._transfers
+        chunks_wait = asyncio.Event()
+        real_wake = transfers._wake_members
+
+        def wake_members(waiters: list[Any]) -> None:
+            real_wake(waiters)
+            if transfers._waking:  # members left parked for their chunk
+                chunks_wait.set()
+
+        transfers._wake_members = wake_members  # before any request: each takes it at birth
+
         async def fail_when_chunks_wait() -> None:
-            while not dst._transfers._waking:
-                await asyncio.sleep(0)
+            await chunks_wait.wait()
             raise ValueError("sibling failed")
 
         with anyio.fail_after(30), pytest.raises(ExceptionGroup) as caught:
