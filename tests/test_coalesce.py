@@ -763,3 +763,48 @@ async def test_on_asyncio_a_member_that_keeps_its_result_still_stops_with_its_ta
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
     assert zero_resources(dst) and zero_resources(src)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_on_asyncio_a_task_that_kept_a_result_meets_its_cancellation_on_its_next_call(
+        ) -> None:
+    """A member cancelled while its request gathers runs again only after the request
+    finished (asyncio runs the gatherer before the joiners it let in): it keeps its result.
+    Its next call, joining the next request the same way, must raise the cancellation
+    rather than keep another result (round after round, it would never stop)."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=37)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=5.0)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        await dst.transfer_blocks(peer, [0], [0])  # another task called: the next gathers
+        outcomes: list[str] = []
+
+        async def gatherer() -> None:
+            for block in (10, 11, 12):
+                await dst.transfer_blocks(peer, [block], [block])
+
+        async def member() -> None:
+            for block in (1, 2):
+                try:
+                    await dst.transfer_blocks(peer, [block], [block])
+                except asyncio.CancelledError:
+                    outcomes.append(f"{block} cancelled")
+                    raise
+                outcomes.append(f"{block} ok")
+
+        with anyio.fail_after(10):
+            g = asyncio.create_task(gatherer())
+            m = asyncio.create_task(member())
+            await asyncio.sleep(0)  # g gathers and yields, m joins and parks
+            m.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await m
+            await g
+        # The first read's block was in the request and landed: it is reported; the
+        # cancellation comes at the next call.
+        assert outcomes == ["1 ok", "2 cancelled"]
+        for block in (1, 10, 11, 12):
+            assert all(np.array_equal(d[block], s[block])
+                       for d, s in zip(dst_cache, src_cache, strict=True))
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
