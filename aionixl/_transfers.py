@@ -51,7 +51,18 @@ from ._regions import (
     region_offsets,
     small_indices,
 )
-from ._util import ALL, CLOSED, CLOSING, OPEN, NativeEvent, Unpark, check_timeout, deadline, loop_tools
+from ._util import (
+    ALL,
+    CLOSED,
+    CLOSING,
+    OPEN,
+    NativeEvent,
+    Unpark,
+    check_timeout,
+    deadline,
+    loop_tools,
+    no_recancel,
+)
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -230,7 +241,7 @@ class Transfers:
         self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._wake_chunk = ALL  # until bind_loop: chunks only where cancels are redelivered
         self._redelivers_cancel = False
-        self._recancel: Callable[[BaseException], None] = _no_recancel
+        self._recancel: Callable[[BaseException], None] = no_recancel
         #: Tasks that kept a result after a cancellation (``_keep_result``) and still owe it:
         #: their next call takes a checkpoint first. Without it a member cancelled while its
         #: request gathered, which ran again only after the request finished, could keep one
@@ -356,11 +367,9 @@ class Transfers:
                         try:
                             await self._park(gathering.waiters)
                         except BaseException as exc:
-                            if not self._keep_result(gathering, exc):
-                                await self._abandon(gathering, entry)
-                                if not self._keep_result(gathering, exc):
-                                    self.metrics.failed(exc, peer, op, 1, started)
-                                    raise
+                            if not await self._interrupted(gathering, entry, exc):
+                                self.metrics.failed(exc, peer, op, 1, started)
+                                raise
                         status = gathering.status
                         if status != PROC:
                             self._returning -= 1
@@ -562,10 +571,8 @@ class Transfers:
                 try:
                     await self._park(batch.waiters)
                 except BaseException as exc:
-                    if not self._keep_result(batch, exc):
-                        await self._abandon(batch, entry)
-                        if not self._keep_result(batch, exc):
-                            raise
+                    if not await self._interrupted(batch, entry, exc):
+                        raise
                 woken = True
                 if batch.status != PROC:
                     self._returning -= 1
@@ -601,17 +608,23 @@ class Transfers:
         """A task that kept a result after a cancellation calls again: a checkpoint first,
         which raises that cancellation if it is still pending (see ``_owed``)."""
         task = self._current_task()
-        if task in self._owed:
-            self._owed.discard(task)
-            self._owing = len(self._owed) > 0
+        owes = task in self._owed
+        self._owed.discard(task)
+        self._owing = len(self._owed) > 0  # also once the listed tasks are gone
+        if owes:
             await self._yield_now()
 
-    async def _abandon(self, batch: _Batch, entry: _Entry) -> None:
-        """A parked member was cancelled (or interrupted): take its part out."""
+    async def _interrupted(self, batch: _Batch, entry: _Entry, exc: BaseException) -> bool:
+        """A parked member was cancelled (or interrupted): whether it keeps its result
+        (``_keep_result``: its blocks landed, before it ran again or as it left); if not, its
+        part is taken out and the caller raises ``exc``."""
+        if self._keep_result(batch, exc):
+            return True
         if batch.status == PROC:
             await self._leave(batch, entry)
         else:
             self._retire(batch)
+        return self._keep_result(batch, exc)
 
     async def _leave(self, batch: _Batch, entry: _Entry) -> bool:
         """A member gives up (timeout, cancelled) before its merged request finished.
@@ -623,24 +636,24 @@ class Transfers:
         False, and the member stays (a caller told its transfer timed out when its blocks
         had landed would write, and notify, twice).
         """
-        batch.live -= 1
         if not batch.posted:
+            batch.live -= 1
             batch.remove(entry)  # its blocks never go out
             return True
         if batch.status != PROC:
-            batch.live += 1
             return False
         agent = self.agent
         handle = batch.handle
         if agent is None or self.inflight.get(handle) is not batch:
+            batch.live -= 1
             return True  # already failed or released by a close or an eviction
         try:
             if agent.check(handle) == DONE:
                 batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
-                batch.live += 1
                 return False
         except AionixlError:
             pass  # the poller reports the failure to the others
+        batch.live -= 1
         batch.remove(entry)
         self._retire(batch)  # abort
         if batch.op == "read" and self.push is not None:
@@ -838,10 +851,6 @@ def _still_moving(agent: Agent, handle: int) -> bool:
 
 
 def _no_task() -> object:
-    return None
-
-
-def _no_recancel(exc: BaseException) -> None:
     return None
 
 

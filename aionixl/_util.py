@@ -20,6 +20,10 @@ NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "cl
 ALL = 1 << 62
 
 
+def no_recancel(exc: BaseException) -> None:
+    """``LoopTools.recancel`` where the loop raises an absorbed cancellation again itself."""
+
+
 class LoopTools(NamedTuple):
     """Cheap per-call tools of the event loop an engine runs in (the transfer hot path
     calls them per transfer; anyio's portable versions cost several times more)."""
@@ -38,7 +42,7 @@ class LoopTools(NamedTuple):
     #: by itself (a cancel scope stays cancelled); on asyncio ``recancel`` requests it again.
     redelivers_cancel: bool = False
     #: Called with an absorbed cancellation, in the task that absorbed it.
-    recancel: Callable[[BaseException], None] = lambda exc: None
+    recancel: Callable[[BaseException], None] = no_recancel
 
 
 class Unpark(Protocol):
