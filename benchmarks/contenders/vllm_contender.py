@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,6 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Child:
@@ -175,7 +168,7 @@ def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -
     for i in range(spec.close_repeats):
         ctx.progress(f"vLLM connector: close with 1 peer and {spec.close_inflight} reads in flight over "
                      f"UCX tcp ({i + 1}/{spec.close_repeats})")
-        r = decode.ask({"op": "close", "ucx_tls": spec.slow_tls, "listen_port": free_port(),
+        r = decode.ask({"op": "close", "ucx_tls": spec.slow_tls,
                         "inflight": spec.close_inflight, "blocks": spec.close_blocks,
                         "reqs": held(spec.close_inflight + 1)})
         closes.append(r["worker_s"] + r["listener_s"])

@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
-from vllm_worker import VllmSide, thread_count
+from vllm_worker import VllmSide, free_port, thread_count
 
 from aionixl._bench._memory import expected_words
 
@@ -175,7 +175,7 @@ class Decode:
                 os.environ.pop("UCX_TLS", None)
             else:
                 os.environ["UCX_TLS"] = old
-        listener = self.side.new_listener(worker, int(cmd["listen_port"]))
+        listener = self.side.new_listener(worker, free_port())  # picked as it is bound
         reqs = list(cmd["reqs"])
         self.handshake(worker, reqs.pop())
         open_threads = thread_count()
