@@ -15,12 +15,13 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(params=["fast", "public"])
 def tools(request: pytest.FixtureRequest, anyio_backend: str,
           monkeypatch: pytest.MonkeyPatch) -> str:
-    """On trio, both the prebuilt wait message ("fast") and trio's public
-    ``wait_task_rescheduled`` (the fallback for a trio without that message)."""
+    """On trio, both trio's internals ("fast": the prebuilt wait message, the run's own
+    scheduler) and its public functions (the fallback for a trio without those)."""
     if request.param == "public":
         if anyio_backend != "trio":
             pytest.skip("only trio has a fallback")
         monkeypatch.setattr(_util, "_trio_sleep", lambda abort: None)
+        monkeypatch.setattr(_util, "_trio_run_context", lambda: None)
     return str(request.param)
 
 
@@ -207,3 +208,16 @@ async def test_recancel_on_trio_leaves_the_cancellation_to_trio() -> None:
             seen.append("raised")
             raise
     assert seen == ["absorbed", "raised"] and scope.cancelled_caught
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_on_trio_the_fast_tools_find_the_internals_they_use() -> None:
+    """The fast trio tools read trio's run state and prebuilt wait message; if a trio
+    release renames them the tools fall back to the public functions quietly, slower. This
+    says so out loud."""
+    import trio
+
+    run_context = _util._trio_run_context()
+    assert run_context is not None
+    assert run_context.task is trio.lowlevel.current_task()
+    assert _util._trio_sleep(lambda _: trio.lowlevel.Abort.SUCCEEDED) is not None
