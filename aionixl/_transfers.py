@@ -645,8 +645,15 @@ class Transfers:
         agent = self.agent
         handle = batch.handle
         if agent is None or self.inflight.get(handle) is not batch:
+            # Still running, yet no longer in the table: another member is leaving. It
+            # aborted the request and, before posting it again for the rest, fences the
+            # aborted read. Leave the same way: take our blocks out of that new request, and
+            # fence them too (a fence completes after every earlier operation to the peer).
             batch.live -= 1
-            return True  # already failed or released by a close or an eviction
+            batch.remove(entry)
+            if batch.op == "read" and self.push is not None:
+                await self.push.fence_get(batch.peer, entry[0], entry[1])
+            return True
         try:
             if agent.check(handle) == DONE:
                 batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place

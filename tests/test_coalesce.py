@@ -492,6 +492,73 @@ async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks(rol
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
 
+async def test_members_leaving_together_each_take_their_blocks_out_and_fence_them() -> None:
+    """Two members of a stuck merged read reach their deadline together. The first to
+    leave aborts the request and fences the aborted read before it posts the request again
+    for the rest; the second leaves during that fence. It must take its blocks out too (the
+    new request carries only the member still waiting) and fence them before it returns:
+    its blocks may not be written, nor its notification sent, after it timed out."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=33)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
+        transfers = dst._transfers
+        agent, push = transfers.agent, transfers.push
+        assert agent is not None and push is not None
+        real_start, real_check, real_fence = agent.start_xfer, agent.check, push.fence_get
+        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
+        posts: list[list[int]] = []
+        fenced: list[int] = []
+
+        def start_xfer(op: str, local: int, local_idx: Any, *rest: Any) -> Any:
+            posts.append([int(i) for i in local_idx])
+            handle, state = real_start(op, local, local_idx, *rest)
+            if len(posts) == 1:  # the merged read: report it running for good
+                if handle != _transfers.NO_HANDLE:
+                    agent.release_xfer(handle)
+                return stuck, _transfers.PROC
+            return handle, state
+
+        def check(handle: int) -> Any:
+            return _transfers.PROC if handle == stuck else real_check(handle)
+
+        async def fence_get(peer: Any, local_idx: Any, remote_idx: Any) -> None:
+            fenced.append(int(local_idx[0]))
+            await anyio.sleep(0.3)  # long enough for the other leaver to leave meanwhile
+            await real_fence(peer, local_idx, remote_idx)
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        agent.check = check  # type: ignore[method-assign]
+        push.fence_get = fence_get  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+
+        async def read(block: int, timeout: float) -> None:
+            try:
+                outcomes[block] = await dst.transfer_blocks(peer, [block], [block], timeout=timeout)
+            except aionixl.TransferTimeoutError as exc:
+                outcomes[block] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read, 1, 0.3)
+                tg.start_soon(read, 3, 0.3)
+                tg.start_soon(read, 4, 15)
+        assert merged(dst) == (1, 3)
+        assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
+        assert isinstance(outcomes[3], aionixl.TransferTimeoutError), outcomes
+        assert isinstance(outcomes[4], aionixl.TransferResult), outcomes
+        offsets = region_offsets(REGIONS, BLOCKS).ravel()
+        # After the merged read: the two fences (one descriptor each) and block 4's read.
+        assert posts[0] == sorted(int(i) for i in np.concatenate([offsets + 1, offsets + 3, offsets + 4]))
+        assert [p for p in posts[1:] if len(p) > 1] == [[int(i) for i in offsets + 4]], posts
+        assert sorted(fenced) == [int(offsets[0]) + 1, int(offsets[0]) + 3]
+        assert all(np.array_equal(d[4], s[4]) for d, s in zip(dst_cache, src_cache, strict=True))
+        assert dst.metrics().transfers["read"]["timeout"] == 2
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> None:
     """A stopped TCP peer keeps a merged write in flight: the members with a short timeout
     fail at their deadline, the others wait on and their blocks land after the resume."""
