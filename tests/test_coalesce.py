@@ -639,6 +639,46 @@ async def test_members_beyond_one_wake_chunk_all_wake_with_their_own_bytes() -> 
     assert zero_resources(dst) and zero_resources(src)
 
 
+async def test_waking_members_in_chunks_does_not_wake_the_drainer() -> None:
+    """The poller wakes the notification drainer (ending its back-off) when requests are in
+    flight, not when it was woken only to wake members in chunks: in one process a merged
+    request often finishes inside its post, and each such wake restarted the drainer's
+    back-off from its shortest step."""
+    src_cache = numpy_cache(MANY, 512, REGIONS, seed=34)
+    dst_cache = numpy_cache(MANY, 512, REGIONS)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        transfers = dst._transfers
+        chunk_wakes = 0
+        real_wake_members = transfers._wake_members
+
+        def wake_members(waiters: list[object]) -> None:
+            nonlocal chunk_wakes
+            real_wake_members(waiters)
+            chunk_wakes += bool(waiters)  # the poller wakes the rest
+
+        transfers._wake_members = wake_members  # type: ignore[method-assign]
+        busy_at_wake: list[bool] = []
+        real_wake = dst._drainer.wake
+
+        def wake() -> None:
+            busy_at_wake.append(bool(transfers.inflight or transfers.parked))
+            real_wake()
+
+        dst._drainer.wake = wake  # type: ignore[method-assign]
+
+        async def caller(block: int) -> None:
+            for _ in range(4):
+                await dst.transfer_blocks(peer, [block], [block])
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for block in range(MANY):
+                    tg.start_soon(caller, block)
+        assert chunk_wakes > 0
+        assert all(busy_at_wake), busy_at_wake
+    assert zero_resources(dst) and zero_resources(src)
+
+
 async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting() -> None:
     """The poller wakes all but the first chunk; closing stops it, and it wakes the rest."""
     src_cache = numpy_cache(MANY, 512, REGIONS, seed=32)
