@@ -621,7 +621,10 @@ class Transfers:
         if self._keep_result(batch, exc):
             return True
         if batch.status == PROC:
-            await self._leave(batch, entry)
+            if await self._leave(batch, entry):
+                # It left: whatever the request does now (posted again for the others, it
+                # may finish before we look) carries none of its blocks.
+                return False
         else:
             self._retire(batch)
         return self._keep_result(batch, exc)
