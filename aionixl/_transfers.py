@@ -754,7 +754,8 @@ class Transfers:
         for handle, rec in list(self.inflight.items()):
             if rec.peer is peer:
                 del self.inflight[handle]
-                rec.finish(ERR, error)
+                if rec.status == PROC:  # one that ended already (waiters not yet run) keeps it
+                    rec.finish(ERR, error)
                 self._release(agent, handle)
 
     def calls_in_flight(self) -> int:
@@ -824,7 +825,8 @@ class Transfers:
         """Closing: every waiting caller gets ``error``; returns the handles to release."""
         inflight, self.inflight = self.inflight, {}
         for rec in inflight.values():
-            rec.finish(ERR, error)
+            if rec.status == PROC:  # one that ended already (waiters not yet run) keeps it
+                rec.finish(ERR, error)
         return list(inflight)
 
     async def close(self, handles: list[int], deadline_at: float, grace: float) -> list[str]:

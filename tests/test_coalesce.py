@@ -345,6 +345,67 @@ async def test_a_peer_killed_under_a_merged_request_fails_every_member() -> None
     assert zero_resources(eng)
 
 
+async def test_an_eviction_just_after_a_merged_request_ended_leaves_its_members_their_results() -> None:
+    """The poller saw a merged read end and woke its members; before they run, the peer is
+    evicted (as when a later transfer to it fails in the same poller turn). The request
+    had ended: its members report their blocks, not PeerDisconnectedError (a caller told
+    its read failed would read, and notify, again)."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=35)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+        transfers = dst._transfers
+        await dst.transfer_blocks(peer, [0], [0])  # another task called just now: gather
+        # The merged read must end through the poller, not inside its post: one that did is
+        # reported running, under a stand-in handle that its first check finds done.
+        agent = transfers.agent
+        assert agent is not None
+        real_start, real_check = agent.start_xfer, agent.check
+        stand_ins = itertools.count(-1000, -1)  # never a NIXL handle; release_xfer passes them
+        ended_inside: set[int] = set()
+
+        def start_xfer(*args: Any) -> Any:
+            handle, state = real_start(*args)
+            if state == _transfers.DONE and handle == _transfers.NO_HANDLE:
+                handle = next(stand_ins)
+                ended_inside.add(handle)
+                return handle, _transfers.PROC
+            return handle, state
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        agent.check = lambda h: _transfers.DONE if h in ended_inside else real_check(h)  # type: ignore[method-assign]
+        real_wake = transfers._wake_members
+        evicted_at: list[object] = []
+
+        def wake(waiters: list[object]) -> None:
+            real_wake(waiters)
+            if not evicted_at:
+                ended = [rec for rec in transfers.inflight.values()
+                         if isinstance(rec, _transfers._Batch) and rec.status == _transfers.DONE]
+                evicted_at.append(len(ended))
+                transfers._peers.evict(peer, aionixl.TransferError("another transfer failed"))
+
+        transfers._wake_members = wake  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+
+        async def read(block: int) -> None:
+            try:
+                outcomes[block] = await dst.transfer_blocks(peer, [block], [block])
+            except aionixl.AionixlError as exc:
+                outcomes[block] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for block in range(1, 17):
+                    tg.start_soon(read, block)
+        assert evicted_at == [1] and sorted(outcomes) == list(range(1, 17))
+        assert all(isinstance(o, aionixl.TransferResult) for o in outcomes.values()), outcomes
+        for block in range(1, 17):
+            assert all(np.array_equal(d[block], s[block]) for d, s in zip(dst_cache, src_cache, strict=True))
+        assert not peer.connected
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_a_lone_caller_never_gathers() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=7)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
