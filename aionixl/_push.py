@@ -617,10 +617,19 @@ class Pusher:
                 if status is not DONE or handle != NO_HANDLE:
                     await transfers._finish(peer, handle, status, limit)
             except TransferTimeoutError:
-                if peer.connected:
-                    self.fenced_evictions += 1
-                    peer._revive = True
-                    self._peers.evict(peer, TransferError(
-                        f"an aborted read was not fenced within {limit} s"))
+                self._evict_unfenced(peer, f"an aborted read was not fenced within {limit} s")
             except AionixlError:
                 pass  # the fence failed: the peer was evicted, its connection closed
+            except BaseException:
+                # A cancellation the shield does not hold back (asyncio's own Task.cancel(),
+                # which asyncio.timeout and TaskGroup use) cut the fence short: unconfirmed,
+                # like one that timed out.
+                self._evict_unfenced(peer, "an aborted read's fence was cancelled")
+                raise
+
+    def _evict_unfenced(self, peer: Peer, reason: str) -> None:
+        """Close the connection an aborted read may still write over (it can reconnect)."""
+        if peer.connected:
+            self.fenced_evictions += 1
+            peer._revive = True
+            self._peers.evict(peer, TransferError(reason))

@@ -666,13 +666,17 @@ class Transfers:
         batch.live -= 1
         batch.remove(entry)
         self._retire(batch)  # abort
-        if batch.op == "read" and self.push is not None:
-            # An aborted GET may still be writing: fence it (or evict the peer) before this
-            # caller returns and before the others' blocks are read again.
-            await self.push.fence_get(batch.peer, entry[0], entry[1])
-        if batch.live > 0:
-            self.reposts += 1
-            self._post(batch)
+        try:
+            if batch.op == "read" and self.push is not None:
+                # An aborted GET may still be writing: fence it (or evict the peer) before
+                # this caller returns and before the others' blocks are read again.
+                await self.push.fence_get(batch.peer, entry[0], entry[1])
+        finally:
+            # Also when a cancellation cut the fence short (the peer was evicted then, and
+            # this fails the others at once): they must not wait on a request nobody posts.
+            if batch.live > 0:
+                self.reposts += 1
+                self._post(batch)
         return True
 
     def _retire(self, batch: _Batch) -> None:

@@ -632,6 +632,63 @@ async def test_members_leaving_together_each_take_their_blocks_out_and_fence_the
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_on_asyncio_a_leavers_fence_cut_short_by_a_native_cancel_still_settles_the_rest(
+        ) -> None:
+    """A member of a stuck merged read leaves at its deadline and fences the aborted read;
+    its caller's own ``asyncio.timeout`` cancels it during the fence (anyio's shield does
+    not stop asyncio's own cancellations). The fence is unconfirmed, so the peer is evicted
+    as for a fence that timed out, and the others fail at once with PeerDisconnectedError:
+    before, the request was never posted again and they waited past their deadlines."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=36)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
+        agent = dst._transfers.agent
+        assert agent is not None
+        real_start, real_check = agent.start_xfer, agent.check
+        stuck = {-1000, -1001}  # stand-in handles: never NIXL's; release_xfer passes them
+        posts: list[int] = []
+
+        def start_xfer(*args: Any) -> Any:
+            posts.append(len(args[2]))
+            handle, state = real_start(*args)
+            if len(posts) <= 2:  # the merged read, then the fence: both never end
+                if handle != _transfers.NO_HANDLE:
+                    agent.release_xfer(handle)
+                return -999 - len(posts), _transfers.PROC
+            return handle, state
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        agent.check = lambda h: _transfers.PROC if h in stuck else real_check(h)  # type: ignore[method-assign]
+        outcomes: dict[int, str] = {}
+
+        async def leaver() -> None:
+            try:
+                async with asyncio.timeout(0.4):  # the caller's own, around the call
+                    await dst.transfer_blocks(peer, [1], [1], timeout=0.2)
+            except TimeoutError:
+                outcomes[1] = "asyncio.timeout"
+
+        async def member(block: int) -> None:
+            try:
+                await dst.transfer_blocks(peer, [block], [block], timeout=10)
+            except aionixl.PeerDisconnectedError:
+                outcomes[block] = "peer disconnected"
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(leaver)
+                tg.start_soon(member, 3)
+                tg.start_soon(member, 4)
+        assert outcomes == {1: "asyncio.timeout", 3: "peer disconnected", 4: "peer disconnected"}
+        assert posts[:2] == [3 * REGIONS, 1], posts  # the merged read, then the fence
+        assert not peer.connected and dst.stats()["fence_evictions"] == 1
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> None:
     """A stopped TCP peer keeps a merged write in flight: the members with a short timeout
     fail at their deadline, the others wait on and their blocks land after the resume."""
