@@ -84,16 +84,28 @@ def loop_tools() -> LoopTools:
 
         def recancel(exc: BaseException) -> None:
             # The task absorbed the CancelledError that a cancel() request threw into it:
-            # request it again, so that its next checkpoint raises it (with its message,
-            # which anyio reads), and take the first request back, so that Task.cancelling()
-            # counts one, as before (asyncio.timeout and anyio compare those counts).
+            # request it again once the task has gone on to its next await (the loop's next
+            # round), so that this await raises it, with its message (anyio reads it). Not if
+            # by then the scope that asked has ended: a scope calls uncancel() on its way
+            # out, so Task.cancelling() fell. Asking again at once would outlive such a
+            # scope (before Python 3.13 uncancel() leaves a requested cancel armed) and
+            # raise at whatever await follows it.
             task = current()
             if task is not None:
-                task.uncancel()
-                task.cancel(exc.args[0] if exc.args else None)
+                loop.call_soon(_cancel_again, task, task.cancelling(),
+                               exc.args[0] if exc.args else None)
 
         return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all, _asyncio_yield,
                          True, recancel)
+
+
+def _cancel_again(task: Any, cancelling: int, message: object) -> None:
+    """``recancel``'s second half on asyncio: the absorbed request again, counted once (take
+    it back, then ask again: asyncio.timeout and anyio compare Task.cancelling() counts),
+    while the request is still counted (its scope has not ended) and the task still runs."""
+    if not task.done() and task.cancelling() >= cancelling:
+        task.uncancel()
+        task.cancel(message)
 
 
 class _AsyncioYield:
