@@ -716,7 +716,10 @@ class Transfers:
                 self.inflight[handle] = rec
                 self._poller_wakeup.set()
                 status = await self._wait(rec, limit)
-                agent.completed(handle, status)
+                if self.inflight.get(handle) is rec:
+                    agent.completed(handle, status)
+                else:  # an eviction or close released it after it ended: NIXL's record is gone
+                    agent.telemetry = None
                 if self.wake_trace is not None:
                     self.wake_trace.append(time.perf_counter_ns() - rec.finished_ns)
             if status != DONE:

@@ -931,3 +931,67 @@ async def test_a_caller_sharing_a_failed_handshake_retries_on_its_own_time() -> 
                 await dst.transfer_blocks(peer, [0], [3])
                 assert np.array_equal(local[0][0], src_cache[0][3])
         assert "draining" in str(outcome["short"])
+
+
+async def test_an_eviction_as_a_lone_transfer_ends_leaves_its_result_and_reads_no_released_handle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poller sees a lone read end and, in the same turn, the peer is evicted (a later
+    transfer to it failed): the caller still gets its result, and, with NIXL telemetry on,
+    does not read telemetry from the handle the eviction released (NIXL freed that request)."""
+    from aionixl import _transfers
+
+    src_cache = numpy_cache(16, 4096, 2, seed=41)
+    dst_cache = numpy_cache(16, 4096, 2)
+    config = aionixl.EngineConfig(coalesce=False, inline_polls=0, nixl_telemetry=True)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        transfers = dst._transfers
+        agent = transfers.agent
+        assert agent is not None
+        real_start, real_check = agent.start_xfer, agent.check
+        real_completed, real_release = agent.completed, agent.release_xfer
+        stand_ins = iter(range(-1000, -1100, -1))  # never NIXL's; release_xfer passes them
+        ended: set[int] = set()
+
+        def start_xfer(*args: Any) -> Any:  # the read must end through the poller
+            handle, state = real_start(*args)
+            if state == _transfers.DONE and handle == _transfers.NO_HANDLE:
+                handle = next(stand_ins)
+                ended.add(handle)
+                return handle, _transfers.PROC
+            return handle, state
+
+        released: set[int] = set()
+        completed: list[bool] = []  # per telemetry read: was the handle still unreleased?
+
+        def release_spy(handle: int) -> bool:
+            released.add(handle)
+            return real_release(handle)
+
+        def completed_spy(handle: int, status: Any) -> None:
+            completed.append(handle not in released)
+            real_completed(handle, status)
+
+        monkeypatch.setattr(agent, "start_xfer", start_xfer)
+        monkeypatch.setattr(agent, "check", lambda h: _transfers.DONE if h in ended else real_check(h))
+        monkeypatch.setattr(agent, "completed", completed_spy)
+        monkeypatch.setattr(agent, "release_xfer", release_spy)
+        real_finish = _transfers._InFlight.finish
+        evicted: list[int] = []
+
+        def finish(rec: Any, status: Any, error: Any = None) -> None:
+            real_finish(rec, status, error)
+            if status == _transfers.DONE and not evicted:
+                evicted.append(1)
+                transfers._peers.evict(peer, aionixl.TransferError("another transfer failed"))
+
+        monkeypatch.setattr(_transfers._InFlight, "finish", finish)
+        with anyio.fail_after(10):
+            result = await dst.transfer_blocks(peer, [3], [3])
+        assert evicted == [1] and not peer.connected
+        assert isinstance(result, aionixl.TransferResult)
+        assert all(np.array_equal(d[3], s[3]) for d, s in zip(dst_cache, src_cache, strict=True))
+        assert all(completed), completed  # no telemetry read from a released handle
+        assert len(released) == 1  # the eviction released it, once
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
