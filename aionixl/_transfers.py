@@ -116,6 +116,12 @@ class _InFlight:
         self.finished_ns = time.perf_counter_ns()
         self.event.set()
 
+    def fail(self, error: AionixlError) -> None:
+        """Fail it (its peer went, the engine closed), unless it ended already: its waiters,
+        woken but not yet run, keep that end."""
+        if self.status == PROC:
+            self.finish(ERR, error)
+
 
 class _Batch(_InFlight):
     """One NIXL request carrying the blocks of several callers (its members).
@@ -761,8 +767,7 @@ class Transfers:
         for handle, rec in list(self.inflight.items()):
             if rec.peer is peer:
                 del self.inflight[handle]
-                if rec.status == PROC:  # one that ended already (waiters not yet run) keeps it
-                    rec.finish(ERR, error)
+                rec.fail(error)
                 self._release(agent, handle)
 
     def calls_in_flight(self) -> int:
@@ -832,8 +837,7 @@ class Transfers:
         """Closing: every waiting caller gets ``error``; returns the handles to release."""
         inflight, self.inflight = self.inflight, {}
         for rec in inflight.values():
-            if rec.status == PROC:  # one that ended already (waiters not yet run) keeps it
-                rec.finish(ERR, error)
+            rec.fail(error)
         return list(inflight)
 
     async def close(self, handles: list[int], deadline_at: float, grace: float) -> list[str]:

@@ -189,18 +189,14 @@ def _trio_tools(trio: Any) -> LoopTools:
 
     sleep = _trio_sleep(abort) or functools.partial(wait, abort)
 
-    if run_context is not None:
-        def park(waiters: list[Any]) -> Awaitable[None]:
-            task = run_context.task  # what current_task() returns, without its frame
-            task.custom_sleep_data = waiters
-            waiters.append(task)
-            return sleep()
-    else:
-        def park(waiters: list[Any]) -> Awaitable[None]:
-            task = current_task()
-            task.custom_sleep_data = waiters
-            waiters.append(task)
-            return sleep()
+    # ``.task`` is what current_task() returns; trio's run state has it without a call.
+    context = run_context if run_context is not None else _PublicRunContext(current_task)
+
+    def park(waiters: list[Any]) -> Awaitable[None]:
+        task = context.task
+        task.custom_sleep_data = waiters
+        waiters.append(task)
+        return sleep()
 
     def unpark_all(waiters: list[Any], limit: int = ALL) -> int:
         woken = seen = 0
@@ -215,6 +211,19 @@ def _trio_tools(trio: Any) -> LoopTools:
         return woken
 
     return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint, True)
+
+
+class _PublicRunContext:
+    """Stands in for trio's run state where it is missing: ``task`` asks the public function."""
+
+    __slots__ = ("_current_task",)
+
+    def __init__(self, current_task: Callable[[], Any]) -> None:
+        self._current_task = current_task
+
+    @property
+    def task(self) -> Any:
+        return self._current_task()
 
 
 def _trio_run_context() -> Any:
