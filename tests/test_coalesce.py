@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ from aionixl import _transfers
 from aionixl._regions import region_offsets, small_indices
 from aionixl.testing import RemoteEngine
 
-from .conftest import engine_pair, numpy_cache, unique, zero_resources
+from .conftest import engine_pair, numpy_cache, report_inline_ends_as_running, unique, zero_resources
 
 pytestmark = pytest.mark.anyio
 
@@ -359,19 +358,8 @@ async def test_an_eviction_just_after_a_merged_request_ended_leaves_its_members_
         # reported running, under a stand-in handle that its first check finds done.
         agent = transfers.agent
         assert agent is not None
-        real_start, real_check = agent.start_xfer, agent.check
-        stand_ins = itertools.count(-1000, -1)  # never a NIXL handle; release_xfer passes them
-        ended_inside: set[int] = set()
-
-        def start_xfer(*args: Any) -> Any:
-            handle, state = real_start(*args)
-            if state == _transfers.DONE and handle == _transfers.NO_HANDLE:
-                handle = next(stand_ins)
-                ended_inside.add(handle)
-                return handle, _transfers.PROC
-            return handle, state
-
-        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        real_check = agent.check
+        ended_inside = report_inline_ends_as_running(dst)
         agent.check = lambda h: _transfers.DONE if h in ended_inside else real_check(h)  # type: ignore[method-assign]
         real_wake = transfers._wake_members
         evicted_at: list[object] = []
@@ -440,18 +428,9 @@ async def _hide_request_ends(dst: aionixl.Engine, peer: aionixl.Peer) -> Callabl
     transfers = dst._transfers
     agent = transfers.agent
     assert agent is not None
-    real_start, real_check, real_leave = agent.start_xfer, agent.check, transfers._leave
+    real_check, real_leave = agent.check, transfers._leave
     left = False
-    finished: set[int] = set()  # NIXL reports a request's end once
-    stand_ins = itertools.count(-1000, -1)  # never a NIXL handle; release_xfer passes them
-
-    def start_xfer(*args: Any) -> Any:
-        handle, state = real_start(*args)
-        if state == _transfers.DONE and handle == _transfers.NO_HANDLE:
-            handle = next(stand_ins)
-            finished.add(handle)
-            return handle, _transfers.PROC
-        return handle, state
+    finished = report_inline_ends_as_running(dst)  # and those NIXL saw end (it says so once)
 
     def check(handle: int) -> Any:
         if handle not in finished and real_check(handle) == _transfers.DONE:
@@ -465,7 +444,6 @@ async def _hide_request_ends(dst: aionixl.Engine, peer: aionixl.Peer) -> Callabl
         left = True
         return await real_leave(batch, entry)
 
-    agent.start_xfer = start_xfer
     agent.check = check
     transfers._leave = leave
     return lambda: left

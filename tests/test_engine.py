@@ -20,7 +20,15 @@ import zmq
 import aionixl
 from aionixl import _zmq
 
-from .conftest import HERE, engine_pair, numpy_cache, thread_names, unique, zero_resources
+from .conftest import (
+    HERE,
+    engine_pair,
+    numpy_cache,
+    report_inline_ends_as_running,
+    thread_names,
+    unique,
+    zero_resources,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -947,19 +955,8 @@ async def test_an_eviction_as_a_lone_transfer_ends_leaves_its_result_and_reads_n
         transfers = dst._transfers
         agent = transfers.agent
         assert agent is not None
-        real_start, real_check = agent.start_xfer, agent.check
-        real_completed, real_release = agent.completed, agent.release_xfer
-        stand_ins = iter(range(-1000, -1100, -1))  # never NIXL's; release_xfer passes them
-        ended: set[int] = set()
-
-        def start_xfer(*args: Any) -> Any:  # the read must end through the poller
-            handle, state = real_start(*args)
-            if state == _transfers.DONE and handle == _transfers.NO_HANDLE:
-                handle = next(stand_ins)
-                ended.add(handle)
-                return handle, _transfers.PROC
-            return handle, state
-
+        real_check, real_completed, real_release = agent.check, agent.completed, agent.release_xfer
+        ended = report_inline_ends_as_running(dst)  # the read must end through the poller
         released: set[int] = set()
         completed: list[bool] = []  # per telemetry read: was the handle still unreleased?
 
@@ -971,7 +968,6 @@ async def test_an_eviction_as_a_lone_transfer_ends_leaves_its_result_and_reads_n
             completed.append(handle not in released)
             real_completed(handle, status)
 
-        monkeypatch.setattr(agent, "start_xfer", start_xfer)
         monkeypatch.setattr(agent, "check", lambda h: _transfers.DONE if h in ended else real_check(h))
         monkeypatch.setattr(agent, "completed", completed_spy)
         monkeypatch.setattr(agent, "release_xfer", release_spy)
