@@ -42,6 +42,7 @@ _BOUNDS_ARRAY = np.array(LATENCY_BOUNDS)
 #: Finished transfers recorded before they are folded into the histograms.
 _RING = 4096
 _RING_NUMBERS = 3 * _RING
+_RING_PAIRS = 2 * _RING
 _TIMEOUT, _CANCELLED, _DISCONNECTED, _ERROR, _CLOSED = 1, 2, 3, 4, 5
 _LOUD = {_TIMEOUT: logging.WARNING, _DISCONNECTED: logging.WARNING, _ERROR: logging.WARNING,
          _CANCELLED: logging.INFO, _CLOSED: logging.INFO}
@@ -88,6 +89,10 @@ class TransferMetrics(Generic[Result]):
         # does not track them, so thousands kept here cost no collections.
         reads: list[float] = []
         writes: list[float] = []
+        # One-block transfers (``done_one``): seconds and post seconds only, two appends.
+        reads_one: list[float] = []
+        writes_one: list[float] = []
+        read_one, write_one = reads_one.append, writes_one.append
 
         def done(op: str, nblocks: int, started: float, posted: float, seen: float, now: float,
                  telemetry: tuple[float, float, int] | None) -> Result:
@@ -117,12 +122,17 @@ class TransferMetrics(Generic[Result]):
             commonest call, with less to pass and nothing to choose."""
             seconds = now - started
             post = posted - started
-            res = _new_tuple(result, (1, bytes_per_block, seconds, post, seen - started, regions))
-            ring = reads if op == "read" else writes
-            ring += (1, seconds, post)
-            if len(ring) >= _RING_NUMBERS:
-                flush()
-            return res
+            if op == "read":
+                read_one(seconds)
+                read_one(post)
+                if len(reads_one) >= _RING_PAIRS:
+                    flush()
+            else:
+                write_one(seconds)
+                write_one(post)
+                if len(writes_one) >= _RING_PAIRS:
+                    flush()
+            return _new_tuple(result, (1, bytes_per_block, seconds, post, seen - started, regions))
 
         def flush() -> None:
             """Fold the recorded transfers into the counters and histograms."""
@@ -131,6 +141,11 @@ class TransferMetrics(Generic[Result]):
                     table = np.array(ring, np.float64).reshape(-1, 3)
                     ring.clear()
                     self._fold(w, table[:, 0].astype(np.int64), table[:, 1], table[:, 2])
+            for w, ring in enumerate((reads_one, writes_one)):
+                if ring:
+                    table = np.array(ring, np.float64).reshape(-1, 2)
+                    ring.clear()
+                    self._fold(w, np.ones(len(table), np.int64), table[:, 0], table[:, 1])
 
         return done, done_one, flush
 

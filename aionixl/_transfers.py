@@ -198,6 +198,7 @@ _SLICE_SHORT = 0.0001
 _CROWDED = 0.0002
 
 _ONE_BLOCK_CACHE = 4096
+_perf = time.perf_counter
 
 #: How long after a merged request ended its members still count as arriving together
 #: (a bound, in case one of them never runs again).
@@ -279,6 +280,7 @@ class Transfers:
         #: nanoseconds from the poller seeing its final state to the caller running again.
         self.wake_trace: list[int] | None = None
         self.metrics = TransferMetrics(TransferResult, self._bytes_per_block, len(regions), peers.noisy)
+        self._done_one = self.metrics.done_one
         self.push: Pusher | None = None  # push reads and the GET fence (_push.py); set by the engine
 
     # ---- the call -----------------------------------------------------------------------
@@ -309,6 +311,41 @@ class Transfers:
             if type(lb) is int and type(rb) is int:
                 local_idx = self._one_block.get(lb)
                 remote_idx = peer._one_block.get(rb)
+                gathering = self._gathering.get((peer, op)) if self._gathering else None
+                if gathering is not None and local_idx is not None and remote_idx is not None \
+                        and notify is None and timeout is None and not self._owing \
+                        and gathering.blocks < self._max_merged \
+                        and (lb if op == "read" else rb) not in gathering.dests:
+                    # The commonest call under load, joining a merged request that is
+                    # gathering: _Batch.add and _member, inline (no frame of their own).
+                    started = _perf()
+                    self._last_caller = _JOINED  # whoever calls next is "another task"
+                    self._last_call = started
+                    expires = started + self._config.transfer_timeout
+                    entry: _Entry = (local_idx, remote_idx, 1, b"", expires)
+                    gathering.entries.append(entry)
+                    gathering.blocks += 1
+                    gathering.dests.add(lb if op == "read" else rb)
+                    gathering.live += 1
+                    if expires < gathering.deadline:
+                        gathering.deadline = expires
+                    try:
+                        await self._park(gathering.waiters)
+                    except BaseException as exc:
+                        if not await self._interrupted(gathering, entry, exc):
+                            self.metrics.failed(exc, peer, op, 1, started)
+                            raise
+                    status = gathering.status
+                    if status != PROC:
+                        self._returning -= 1
+                    if status == DONE and gathering.error is None:
+                        if gathering.handle != NO_HANDLE:
+                            self._retire(gathering)
+                        now = self._last_yield = _perf()
+                        return self._done_one(op, started, gathering.posted_at,
+                                              gathering.finished_at, now)
+                    return await self._member(gathering, entry, started,
+                                              self._config.transfer_timeout, True)
         if local_idx is None or remote_idx is None:
             local_idx = small_indices(local_blocks, self._num_blocks, self._offset_list)
             remote_idx = small_indices(remote_blocks, peer.num_blocks, peer._offset_list)
@@ -353,41 +390,10 @@ class Transfers:
             if together and (not message or MULTI_NOTIFY in peer.features):
                 limit = self._config.transfer_timeout if timeout is None else timeout
                 expires = started + limit
-                entry: _Entry = (local_idx, remote_idx, nblocks, message, expires)
+                entry = (local_idx, remote_idx, nblocks, message, expires)
                 dest = local_blocks if op == "read" else remote_blocks
-                if nblocks == 1 and type(dest) is list:
-                    dests: Sequence[int] = dest  # read at once, never kept
-                    block = dest[0]
-                    if gathering is not None and gathering.blocks < self._max_merged \
-                            and block not in gathering.dests:
-                        # _Batch.add, inline (the commonest join).
-                        gathering.entries.append(entry)
-                        gathering.blocks += 1
-                        gathering.dests.add(block)
-                        gathering.live += 1
-                        if message:
-                            gathering.messages += 1
-                        if expires < gathering.deadline:
-                            gathering.deadline = expires
-                        # The commonest wait, inline: park until the merged request ends.
-                        try:
-                            await self._park(gathering.waiters)
-                        except BaseException as exc:
-                            if not await self._interrupted(gathering, entry, exc):
-                                self.metrics.failed(exc, peer, op, 1, started)
-                                raise
-                        status = gathering.status
-                        if status != PROC:
-                            self._returning -= 1
-                        if status == DONE and gathering.error is None:
-                            if gathering.handle != NO_HANDLE:
-                                self._retire(gathering)
-                            now = self._last_yield = time.perf_counter()
-                            return self.metrics.done_one(op, started, gathering.posted_at,
-                                                         gathering.finished_at, now)
-                        return await self._member(gathering, entry, started, limit, True)
-                else:
-                    dests = _destinations(dest)
+                # A one-block list is read at once, never kept.
+                dests = dest if nblocks == 1 and type(dest) is list else _destinations(dest)
                 if gathering is not None and gathering.blocks + nblocks <= self._max_merged \
                         and gathering.dests.isdisjoint(dests):
                     gathering.add(entry, dests)
