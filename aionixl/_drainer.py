@@ -16,7 +16,7 @@ import anyio
 from ._config import EngineConfig
 from ._errors import AionixlError
 from ._notifications import Mailbox, Notification
-from ._peers import MULTI, RESERVED, PeerTable, unpack_notifications
+from ._peers import MULTI, RESERVED, TAGGED, PeerTable, SeenTags, unpack_notifications, unpack_tagged
 from ._ratelimit import RateLimitedLog
 from ._transfers import Transfers
 
@@ -32,6 +32,7 @@ class NotificationDrainer:
         self._transfers = transfers
         self._noisy = noisy
         self._wakeup = anyio.Event()
+        self._seen_tags = SeenTags()
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -65,6 +66,12 @@ class NotificationDrainer:
                             for one in unpack_notifications(message):
                                 mailbox.deliver(Notification(peer_name, one))
                                 delivered = True
+                        elif message.startswith(TAGGED):
+                            tagged = unpack_tagged(message)
+                            if tagged is not None and self._seen_tags.first(peer_name, tagged[0]):
+                                for one in tagged[1]:
+                                    mailbox.deliver(Notification(peer_name, one))
+                                    delivered = True
                         else:
                             peers.heard(peer_name, message)
                         continue

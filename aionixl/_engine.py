@@ -153,6 +153,7 @@ class Engine:
             "peers_evicted": self._peers.evicted,
             "merged_requests": self._transfers.merged_requests,
             "merged_calls": self._transfers.merged_calls,
+            "reposts": self._transfers.reposts,
             "pushes_served": self._push.served,
             "pushes_refused": self._push.refused,
             "fence_evictions": self._push.fenced_evictions,

@@ -41,7 +41,7 @@ GOODBYE = RESERVED + b"goodbye\x00"
 
 #: Features this engine speaks, announced in the handshake. A peer uses one only when the
 #: other side announced it too.
-FEATURES: frozenset[str] = frozenset({"multi-notify", "push-read"})
+FEATURES: frozenset[str] = frozenset({"multi-notify", "push-read", "tagged-notify"})
 
 #: One notification carrying several callers' messages (a coalesced transfer's): the
 #: receiving engine unpacks it and delivers each. Only sent to peers announcing
@@ -64,6 +64,52 @@ def unpack_notifications(message: bytes) -> list[bytes]:
 
 
 _decode_messages = msgspec.msgpack.Decoder(list[bytes]).decode
+
+#: The messages of a merged request that may be posted again (a member left while it ran),
+#: with the request's tag: the receiver delivers a tag once. A re-post carries the first
+#: post's tag and a subset of its messages, so a tag seen before means every message in it
+#: arrived already (NIXL may have delivered the aborted post's notification). Only sent to
+#: peers announcing "tagged-notify".
+TAGGED_NOTIFY = "tagged-notify"
+TAGGED = RESERVED + b"tagged\x00"
+
+
+def pack_tagged(tag: int, messages: list[bytes]) -> bytes:
+    return TAGGED + _encode_tagged((tag, messages))
+
+
+def unpack_tagged(message: bytes) -> tuple[int, list[bytes]] | None:
+    """The tag and messages packed by :func:`pack_tagged`; None for anything malformed."""
+    try:
+        tag, messages = _decode_tagged(memoryview(message)[len(TAGGED):])
+    except msgspec.DecodeError:
+        return None
+    return tag, [m for m in messages if not m.startswith(RESERVED)]
+
+
+_encode_tagged = msgspec.msgpack.encode
+_decode_tagged = msgspec.msgpack.Decoder(tuple[int, list[bytes]]).decode
+
+
+class SeenTags:
+    """The tags of the tagged notifications delivered lately, per sender (bounded: a re-post
+    follows its first post within the leaver's fence, seconds at most)."""
+
+    __slots__ = ("_seen", "_limit")
+
+    def __init__(self, limit: int = 1 << 14) -> None:
+        self._seen: dict[tuple[str, int], None] = {}
+        self._limit = limit
+
+    def first(self, sender: str, tag: int) -> bool:
+        """Whether ``tag`` from ``sender`` is new (then it is remembered)."""
+        key = (sender, tag)
+        if key in self._seen:
+            return False
+        if len(self._seen) >= self._limit:
+            del self._seen[next(iter(self._seen))]  # the oldest
+        self._seen[key] = None
+        return True
 
 
 def goodbye(metadata: bytes) -> bytes:

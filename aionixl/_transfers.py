@@ -20,7 +20,9 @@ member (one block, joining) waits inline in ``transfer_blocks``: no second corou
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,7 +42,16 @@ from ._errors import (
 )
 from ._metrics import TransferMetrics
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
-from ._peers import MULTI_NOTIFY, Peer, PeerTable, pack_notifications, progress_quietly, user_message
+from ._peers import (
+    MULTI_NOTIFY,
+    TAGGED_NOTIFY,
+    Peer,
+    PeerTable,
+    pack_notifications,
+    pack_tagged,
+    progress_quietly,
+    user_message,
+)
 from ._regions import (
     IndexArray,
     Region,
@@ -132,7 +143,7 @@ class _Batch(_InFlight):
     """
 
     __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted",
-                 "posted_at", "finished_at", "waiters", "_wake", "_unpark_all")
+                 "posted_at", "finished_at", "waiters", "tag", "_wake", "_unpark_all")
 
     def __init__(self, peer: Peer, op: Op, wake: Callable[[list[object]], None],
                  unpark_all: Unpark) -> None:
@@ -151,6 +162,9 @@ class _Batch(_InFlight):
         self.posted = False
         self.posted_at = self.finished_at = 0.0  # perf_counter(): post returned, end seen
         self.waiters: list[object] = []
+        #: Its notifications' tag (``pack_tagged``), given at the first post that packs them
+        #: and kept by every later one; 0 until then.
+        self.tag = 0
         self._wake = wake  # wakes the members at the end (Transfers._wake_members)
         self._unpark_all = unpark_all
 
@@ -269,6 +283,9 @@ class Transfers:
         self.merged_requests = 0  # NIXL requests that carried more than one caller
         self.merged_calls = 0  # calls that rode in one of them
         self.reposts = 0  # merged requests posted again after a member left
+        #: Tags of merged requests' notifications: unique per engine, and (random start)
+        #: unlike those of an engine of the same name before it.
+        self._tags = itertools.count(random.getrandbits(62) + 1)
         self.agent: Agent | None = None  # set once the engine's agent exists
         self.local_dlist = -1
         self.inflight: dict[int, _InFlight] = {}
@@ -513,7 +530,9 @@ class Transfers:
             del self._gathering[key]
 
     def _post(self, batch: _Batch) -> None:
-        """Post a gathered request (or fail it, if its peer or the engine went away)."""
+        """Post a gathered request (or fail it, if its peer or the engine went away); also
+        what is left of one after a member left it (``_leave``)."""
+        first = not batch.posted
         batch.posted = True
         peer = batch.peer
         engine = self._engine
@@ -532,15 +551,27 @@ class Transfers:
             batch.finish(ERR, error)
             return
         entries = batch.entries
-        if len(entries) == 1:
+        if len(entries) == 1 and not batch.tag:
             local, remote, _, message, _ = entries[0]
         else:
-            local, remote = _merged_indices(entries, batch.blocks, self._offsets, peer._offsets)
+            if len(entries) == 1:
+                local, remote = entries[0][0], entries[0][1]
+            else:
+                local, remote = _merged_indices(entries, batch.blocks, self._offsets, peer._offsets)
+                if first:
+                    self.merged_requests += 1
+                    self.merged_calls += len(entries)
             messages = [e[3] for e in entries if e[3]]
-            message = (b"" if not messages else messages[0] if len(messages) == 1
-                       else pack_notifications(messages))
-            self.merged_requests += 1
-            self.merged_calls += len(entries)
+            if not messages:
+                message = b""
+            elif TAGGED_NOTIFY in peer.features:
+                # Tagged, so that a re-post after a member left (this request aborted, its
+                # notification perhaps delivered all the same) notifies no one twice.
+                if not batch.tag:
+                    batch.tag = next(self._tags)
+                message = pack_tagged(batch.tag, messages)
+            else:
+                message = messages[0] if len(messages) == 1 else pack_notifications(messages)
         try:
             handle, status = agent.start_xfer(batch.op, self.local_dlist, local, peer._dlist, remote,
                                               message, self._inline_polls)

@@ -610,6 +610,73 @@ async def test_members_leaving_together_each_take_their_blocks_out_and_fence_the
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
 
+
+async def test_a_merged_write_posted_again_after_a_member_left_notifies_the_others_once() -> None:
+    """A member leaves a merged write with notifications that NIXL already finished (its
+    notification delivered) but the engine still saw running: the request is aborted and
+    posted again for the rest. The target must hear each remaining caller once, not once
+    per post: the re-post carries the first post's tag, and the target drops a tag it has
+    already delivered (both sides announce "tagged-notify")."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=35)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=36)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+        assert "tagged-notify" in peer.features
+        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
+        agent = dst._transfers.agent
+        assert agent is not None
+        # Each post finishes (data and notification) before the engine looks again.
+        _finish_inside_posts(dst, src)
+        real_start, real_check = agent.start_xfer, agent.check
+        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
+        posts: list[bytes] = []
+
+        def start_xfer(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any,
+                       notify: bytes, polls: int) -> Any:
+            posts.append(notify)
+            handle, state = real_start(op, local, local_idx, remote, remote_idx, notify, polls)
+            assert (handle, state) == (_transfers.NO_HANDLE, _transfers.DONE)
+            if len(posts) == 1:  # the merged write: the engine is told it still runs
+                return stuck, _transfers.PROC
+            return handle, state
+
+        def check(handle: int) -> Any:
+            return _transfers.PROC if handle == stuck else real_check(handle)
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        agent.check = check  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+
+        async def write(block: int, timeout: float) -> None:
+            try:
+                outcomes[block] = await dst.transfer_blocks(peer, [block], [block], "write",
+                                                            notify=b"n-%d" % block, timeout=timeout)
+            except aionixl.TransferTimeoutError as exc:
+                outcomes[block] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write, 1, 0.5)
+                tg.start_soon(write, 3, 15)
+                tg.start_soon(write, 4, 15)
+        assert len(posts) == 2 and merged(dst) == (1, 3) and dst.stats()["reposts"] == 1, posts
+        assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
+        assert all(isinstance(outcomes[b], aionixl.TransferResult) for b in (3, 4)), outcomes
+        for block in (3, 4):
+            for region in range(REGIONS):
+                assert np.array_equal(src_cache[region][block], dst_cache[region][block])
+            assert (await src.wait_notification(b"n-%d" % block, timeout=10)).peer == dst.name
+        # The first post's own notifications, the leaver's included, arrived with it.
+        assert (await src.wait_notification(b"n-1", timeout=10)).peer == dst.name
+        await anyio.sleep(0.2)
+        assert src.stats()["notifications_kept"] == 0
+        for block in (1, 3, 4):
+            with pytest.raises(TimeoutError):
+                await src.wait_notification(b"n-%d" % block, timeout=0.2)
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_on_asyncio_a_leavers_fence_cut_short_by_a_native_cancel_still_settles_the_rest(
         ) -> None:
