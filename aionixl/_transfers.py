@@ -690,25 +690,24 @@ class Transfers:
             return False
         agent = self.agent
         handle = batch.handle
-        if agent is None or self.inflight.get(handle) is not batch:
-            # Still running, yet no longer in the table: another member is leaving. It
-            # aborted the request and, before posting it again for the rest, fences the
-            # aborted read. Leave the same way: take our blocks out of that new request, and
-            # fence them too (a fence completes after every earlier operation to the peer).
-            batch.live -= 1
-            batch.remove(entry)
-            if batch.op == "read" and self.push is not None:
-                await self.push.fence_get(batch.peer, entry[0], entry[1])
-            return True
-        try:
-            if agent.check(handle) == DONE:
-                batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
-                return False
-        except AionixlError:
-            pass  # the poller reports the failure to the others
+        # ``first``: the request is still in the table, and this member aborts it and posts
+        # it again for the rest. Otherwise it is running, yet out of the table: another
+        # member is leaving and fences the aborted read before posting again. This one
+        # leaves the same way: takes its blocks out of that new request and fences them too
+        # (a fence completes after every earlier operation to the peer).
+        first = agent is not None and self.inflight.get(handle) is batch
+        if first:
+            assert agent is not None
+            try:
+                if agent.check(handle) == DONE:
+                    batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
+                    return False
+            except AionixlError:
+                pass  # the poller reports the failure to the others
         batch.live -= 1
         batch.remove(entry)
-        self._retire(batch)  # abort
+        if first:
+            self._retire(batch)  # abort
         try:
             if batch.op == "read" and self.push is not None:
                 # An aborted GET may still be writing: fence it (or evict the peer) before
@@ -717,7 +716,7 @@ class Transfers:
         finally:
             # Also when a cancellation cut the fence short (the peer was evicted then, and
             # this fails the others at once): they must not wait on a request nobody posts.
-            if batch.live > 0:
+            if first and batch.live > 0:
                 self.reposts += 1
                 self._post(batch)
         return True
