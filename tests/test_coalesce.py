@@ -677,6 +677,83 @@ async def test_a_merged_write_posted_again_after_a_member_left_notifies_the_othe
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
 
+
+async def test_a_members_deadline_passing_during_another_members_fence_is_kept() -> None:
+    """One member of a stuck merged read leaves (cancelled) and fences the aborted read; the
+    request is out of the in-flight table until the fence ends and it is posted again. A
+    second member's deadline passes during that fence: it must time out then, not once the
+    fence is over (before, nothing looked at the deadlines of a request being fenced)."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=37)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
+        transfers = dst._transfers
+        agent, push = transfers.agent, transfers.push
+        assert agent is not None and push is not None
+        real_start, real_check, real_fence = agent.start_xfer, agent.check, push.fence_get
+        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
+        posts: list[list[int]] = []
+
+        def start_xfer(op: str, local: int, local_idx: Any, *rest: Any) -> Any:
+            posts.append([int(i) for i in local_idx])
+            handle, state = real_start(op, local, local_idx, *rest)
+            if len(posts) == 1:  # the merged read: report it running for good
+                if handle != _transfers.NO_HANDLE:
+                    agent.release_xfer(handle)
+                return stuck, _transfers.PROC
+            return handle, state
+
+        def check(handle: int) -> Any:
+            return _transfers.PROC if handle == stuck else real_check(handle)
+
+        async def fence_get(peer: Any, local_idx: Any, remote_idx: Any) -> None:
+            if int(local_idx[0]) == 1:  # the first leaver's fence takes its time
+                with anyio.CancelScope(shield=True):  # as the real fence is
+                    await anyio.sleep(1.5)
+            await real_fence(peer, local_idx, remote_idx)
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        agent.check = check  # type: ignore[method-assign]
+        push.fence_get = fence_get  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+        took: dict[int, float] = {}
+        leaver = anyio.CancelScope()
+
+        async def read(block: int, timeout: float) -> None:
+            start = anyio.current_time()
+            try:
+                outcomes[block] = await dst.transfer_blocks(peer, [block], [block], timeout=timeout)
+            except aionixl.TransferTimeoutError as exc:
+                outcomes[block] = exc
+            took[block] = anyio.current_time() - start
+
+        async def leaving_read() -> None:
+            with leaver:
+                await read(1, 15)
+            outcomes.setdefault(1, "cancelled")
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(leaving_read)
+                tg.start_soon(read, 3, 0.6)
+                tg.start_soon(read, 4, 15)
+                while not posts:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.1)  # all three parked on the running request
+                leaver.cancel()
+        assert outcomes[1] == "cancelled", outcomes
+        assert isinstance(outcomes[3], aionixl.TransferTimeoutError), outcomes
+        assert 0.6 <= took[3] < 1.2, took  # at its deadline, during the 1.5 s fence
+        assert isinstance(outcomes[4], aionixl.TransferResult), outcomes
+        offsets = region_offsets(REGIONS, BLOCKS).ravel()
+        # Posted again after the fence for block 4 alone: block 3 left during it.
+        assert [p for p in posts[1:] if len(p) > 1] == [[int(i) for i in offsets + 4]], posts
+        assert all(np.array_equal(d[4], s[4]) for d, s in zip(dst_cache, src_cache, strict=True))
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_on_asyncio_a_leavers_fence_cut_short_by_a_native_cancel_still_settles_the_rest(
         ) -> None:
