@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
+import secrets
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -283,9 +283,10 @@ class Transfers:
         self.merged_requests = 0  # NIXL requests that carried more than one caller
         self.merged_calls = 0  # calls that rode in one of them
         self.reposts = 0  # merged requests posted again after a member left
-        #: Tags of merged requests' notifications: unique per engine, and (random start)
-        #: unlike those of an engine of the same name before it.
-        self._tags = itertools.count(random.getrandbits(62) + 1)
+        #: Tags of merged requests' notifications: unique per engine, and (random start, from
+        #: the OS: an application's random.seed() must not repeat it) unlike those of an
+        #: engine of the same name before it, whose tags its peers may still remember.
+        self._tags = itertools.count(secrets.randbits(62) + 1)
         self.agent: Agent | None = None  # set once the engine's agent exists
         self.local_dlist = -1
         self.inflight: dict[int, _InFlight] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -752,6 +753,20 @@ async def test_a_members_deadline_passing_during_another_members_fence_is_kept()
         assert all(np.array_equal(d[4], s[4]) for d, s in zip(dst_cache, src_cache, strict=True))
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
+
+async def test_notification_tags_of_an_engine_do_not_repeat_after_random_seed() -> None:
+    """A receiver drops a tag it has seen from that sender's name; a sender started again
+    under the same name after ``random.seed(0)`` (reproducible ML runs do that) must not
+    repeat its predecessor's tags, or its merged notifications would be dropped."""
+    starts = []
+    for _ in range(2):
+        random.seed(0)
+        async with aionixl.Engine("same-name", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS),
+                                  listen=None) as engine:
+            starts.append(next(engine._transfers._tags))
+    assert starts[0] != starts[1]
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
