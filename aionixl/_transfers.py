@@ -290,9 +290,6 @@ class Transfers:
         self.agent: Agent | None = None  # set once the engine's agent exists
         self.local_dlist = -1
         self.inflight: dict[int, _InFlight] = {}
-        #: Merged reads out of the table while a leaving member fences the aborted request,
-        #: before it is posted again: the poller still wakes their members at their deadlines.
-        self.fencing: set[_Batch] = set()
         self.parked: set[int] = set()  # handles NIXL would not release yet
         self._poller_wakeup = anyio.Event()
         self._last_yield = 0.0  # perf_counter() when transfer_blocks last went through the loop
@@ -712,24 +709,17 @@ class Transfers:
         batch.remove(entry)
         if first:
             self._retire(batch)  # abort
-        fence = batch.op == "read" and self.push is not None
-        if first and fence and batch.live > 0:
-            self.fencing.add(batch)
-            self._poller_wakeup.set()
         try:
-            if fence:
-                assert self.push is not None
+            if batch.op == "read" and self.push is not None:
                 # An aborted GET may still be writing: fence it (or evict the peer) before
                 # this caller returns and before the others' blocks are read again.
                 await self.push.fence_get(batch.peer, entry[0], entry[1])
         finally:
             # Also when a cancellation cut the fence short (the peer was evicted then, and
             # this fails the others at once): they must not wait on a request nobody posts.
-            if first:
-                self.fencing.discard(batch)
-                if batch.live > 0:
-                    self.reposts += 1
-                    self._post(batch)
+            if first and batch.live > 0:
+                self.reposts += 1
+                self._post(batch)
         return True
 
     def _retire(self, batch: _Batch) -> None:
@@ -846,7 +836,7 @@ class Transfers:
         while True:
             if self._waking:
                 self._wake_more()
-            if not self.inflight and not self.parked and not self._waking and not self.fencing:
+            if not self.inflight and not self.parked and not self._waking:
                 self._poller_wakeup = anyio.Event()
                 await self._poller_wakeup.wait()
                 if self.inflight or self.parked:
@@ -874,9 +864,6 @@ class Transfers:
                     self._peers.evict(rec.peer, TransferError("NIXL reported the transfer failed (ERR)"))
                 elif status != PROC:
                     rec.finish(status)
-            for batch in self.fencing:
-                if now >= batch.deadline:
-                    batch.expire(now)  # those whose time is up leave; they fence their own blocks
             if self.parked:
                 self.parked = {h for h in self.parked if not agent.release_xfer(h)}
             await anyio.sleep(0)
