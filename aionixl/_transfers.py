@@ -333,7 +333,7 @@ class Transfers:
                 if gathering is not None and local_idx is not None and remote_idx is not None \
                         and notify is None and timeout is None and not self._owing \
                         and gathering.blocks < self._max_merged \
-                        and (lb if op == "read" else rb) not in gathering.dests:
+                        and (block := lb if op == "read" else rb) not in gathering.dests:
                     # The commonest call under load, joining a merged request that is
                     # gathering: _Batch.add and _member, inline (no frame of their own).
                     started = _perf()
@@ -343,7 +343,7 @@ class Transfers:
                     entry: _Entry = (local_idx, remote_idx, 1, b"", expires)
                     gathering.entries.append(entry)
                     gathering.blocks += 1
-                    gathering.dests.add(lb if op == "read" else rb)
+                    gathering.dests.add(block)
                     gathering.live += 1
                     if expires < gathering.deadline:
                         gathering.deadline = expires
