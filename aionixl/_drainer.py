@@ -61,22 +61,20 @@ class NotificationDrainer:
             delivered = False
             for peer_name, messages in notifs.items():
                 for message in messages:
-                    if message.startswith(RESERVED):
-                        if message.startswith(MULTI):
-                            for one in unpack_notifications(message):
-                                mailbox.deliver(Notification(peer_name, one))
-                                delivered = True
-                        elif message.startswith(TAGGED):
-                            tagged = unpack_tagged(message)
-                            if tagged is not None and self._seen_tags.first(peer_name, tagged[0]):
-                                for one in tagged[1]:
-                                    mailbox.deliver(Notification(peer_name, one))
-                                    delivered = True
-                        else:
-                            peers.heard(peer_name, message)
+                    if not message.startswith(RESERVED):
+                        unpacked = [message]
+                    elif message.startswith(MULTI):
+                        unpacked = unpack_notifications(message)
+                    elif message.startswith(TAGGED):
+                        tagged = unpack_tagged(message)  # a tag seen before: delivered already
+                        unpacked = tagged[1] if tagged is not None \
+                            and self._seen_tags.first(peer_name, tagged[0]) else []
+                    else:
+                        peers.heard(peer_name, message)
                         continue
-                    mailbox.deliver(Notification(peer_name, message))
-                    delivered = True
+                    for one in unpacked:
+                        mailbox.deliver(Notification(peer_name, one))
+                        delivered = True
             if peers and anyio.current_time() >= next_probe:
                 peers.probe()
                 next_probe = anyio.current_time() + probe_every
