@@ -176,6 +176,18 @@ def small_indices(value: object, num_blocks: int, offsets: list[int]) -> list[in
     return [o + b for o in offsets for b in value]
 
 
+def plain_ids(value: object) -> object:
+    """A tuple, a short range or a short 1-D integer numpy array of block ids as a list: the
+    form the transfer fast paths take (given as arrays or tuples, a one-block call cost
+    2-3x more than given as lists); anything else as it is."""
+    if type(value) is tuple or (type(value) is range and len(value) <= _SMALL):
+        return list(value)
+    if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu" \
+            and value.size <= _SMALL:
+        return value.tolist()
+    return value
+
+
 def has_duplicates(value: Sequence[int]) -> bool:
     return len(value) > 1 and len(set(value)) != len(value)
 
@@ -192,6 +204,9 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
                             for v in value], dtype=np.int64)
         except TypeError:
             raise ValueError(f"{what} must contain ints only") from None
+        except OverflowError:  # an int beyond int64: no such block either way
+            raise ValueError(f"{what} has a block id out of range: there are only "
+                             f"{num_blocks} blocks") from None
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":

@@ -59,6 +59,7 @@ from ._regions import (
     check_distinct,
     descriptor_indices,
     has_duplicates,
+    plain_ids,
     region_offsets,
     small_indices,
 )
@@ -322,8 +323,12 @@ class Transfers:
         remote_idx: Indices | None
         local_idx = remote_idx = None
         nblocks = 1
-        if type(local_blocks) is list and type(remote_blocks) is list \
-                and len(local_blocks) == 1 == len(remote_blocks):
+        if type(local_blocks) is list and type(remote_blocks) is list:
+            plain = True
+        else:
+            local_blocks, remote_blocks = plain_ids(local_blocks), plain_ids(remote_blocks)  # type: ignore[assignment]
+            plain = type(local_blocks) is list and type(remote_blocks) is list
+        if plain and len(local_blocks) == 1 == len(remote_blocks):
             # One block each way, the commonest call: indices already validated and built.
             lb, rb = local_blocks[0], remote_blocks[0]
             if type(lb) is int and type(rb) is int:

@@ -127,6 +127,42 @@ async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact()
     assert zero_resources(dst) and zero_resources(src)
 
 
+async def test_one_block_calls_given_as_tuples_ranges_or_arrays_are_merged_and_exact() -> None:
+    # Ids as a server may hold them: each form is made a list once and then takes the
+    # one-block path that lists take (joining merged requests), with the same bytes.
+    forms: list[Callable[[int], Any]] = [
+        lambda b: (b,), lambda b: range(b, b + 1), lambda b: np.array([b], np.int64),
+        lambda b: np.array([b], np.uint16), lambda b: [b]]
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=11)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=12)
+    src_before = [r.copy() for r in src_cache]
+    dst_before = [r.copy() for r in dst_cache]
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        results: dict[int, aionixl.TransferResult] = {}
+
+        async def call(i: int) -> None:
+            form = forms[i % len(forms)]
+            # Reads into dst 0..39 from src 63..24; writes from dst 40..59 to src 0..19.
+            if i < 40:
+                results[i] = await dst.transfer_blocks(peer, form(i), form(63 - i))
+            else:
+                results[i] = await dst.transfer_blocks(peer, form(i), form(i - 40), op="write")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(60):
+                tg.start_soon(call, i)
+        requests, calls = merged(dst)
+        assert requests >= 2 and calls >= 50, (requests, calls)
+        assert all(r.blocks == 1 and r.nbytes == BLOCK_BYTES * REGIONS for r in results.values())
+        assert len(results) == 60
+        for region in range(REGIONS):
+            assert np.array_equal(dst_cache[region][:40], src_before[region][63:23:-1])
+            assert np.array_equal(src_cache[region][:20], dst_before[region][40:60])
+            assert np.array_equal(dst_cache[region][40:], dst_before[region][40:])
+            assert np.array_equal(src_cache[region][20:], src_before[region][20:])
+    assert zero_resources(dst) and zero_resources(src)
+
+
 async def test_each_notification_arrives_once_and_after_its_data() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=3)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=4)

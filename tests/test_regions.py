@@ -13,6 +13,7 @@ from aionixl._regions import (
     block_ids,
     describe_regions,
     descriptor_indices,
+    plain_ids,
     region_offsets,
     registration_spans,
 )
@@ -80,7 +81,21 @@ def test_block_ids_accept_ints_and_integer_arrays() -> None:
 
 
 @pytest.mark.parametrize("value", [[4], [-1], [], [1.0], [True], "12", np.array([[1]]),
-                                   np.array([0.5]), 3, None, [None]])
+                                   np.array([0.5]), 3, None, [None], [2**70], [-2**70],
+                                   np.array([2**64 - 1], np.uint64)])
 def test_block_ids_refuse_bad_input(value: Any) -> None:
     with pytest.raises(ValueError):
         block_ids(value, 4, "x")
+
+
+def test_plain_ids_turn_tuples_ranges_and_short_integer_arrays_into_lists() -> None:
+    for value in ((3, 1), range(2, 5), np.array([7, 0], np.uint16), np.array([5], np.int64)):
+        plain = plain_ids(value)
+        assert type(plain) is list and plain == list(value)
+        assert all(type(v) is int for v in plain)
+    # Left as they are, for block_ids to accept or explain: lists, long or non-integer
+    # arrays, long ranges, other objects.
+    left = [[1, 2], np.arange(65), np.array([1.0]), np.array([True]), np.zeros((1, 1), np.int32),
+            range(65), "12", 3]
+    for value in left:
+        assert plain_ids(value) is value
