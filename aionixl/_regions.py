@@ -188,6 +188,11 @@ def plain_ids(value: object) -> object:
     return value
 
 
+def plain_int(value: Any) -> Any:
+    """A numpy integer as an int; anything else as it is."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
 def has_duplicates(value: Sequence[int]) -> bool:
     return len(value) > 1 and len(set(value)) != len(value)
 

@@ -60,6 +60,7 @@ from ._regions import (
     descriptor_indices,
     has_duplicates,
     plain_ids,
+    plain_int,
     region_offsets,
     small_indices,
 )
@@ -323,15 +324,16 @@ class Transfers:
         remote_idx: Indices | None
         local_idx = remote_idx = None
         nblocks = 1
-        if type(local_blocks) is list and type(remote_blocks) is list:
-            plain = True
-        else:
-            local_blocks, remote_blocks = plain_ids(local_blocks), plain_ids(remote_blocks)  # type: ignore[assignment]
-            plain = type(local_blocks) is list and type(remote_blocks) is list
-        if plain and len(local_blocks) == 1 == len(remote_blocks):
+        if type(local_blocks) is list and type(remote_blocks) is list \
+                and len(local_blocks) == 1 == len(remote_blocks):
             # One block each way, the commonest call: indices already validated and built.
             lb, rb = local_blocks[0], remote_blocks[0]
-            if type(lb) is int and type(rb) is int:
+            if type(lb) is not int or type(rb) is not int:
+                if isinstance(lb, np.integer) or isinstance(rb, np.integer):
+                    # Ids taken one by one from an array: the same call with plain ints.
+                    return await self.transfer_blocks(peer, [plain_int(lb)], [plain_int(rb)], op,
+                                                      notify, timeout)
+            else:
                 local_idx = self._one_block.get(lb)
                 remote_idx = peer._one_block.get(rb)
                 gathering = self._gathering.get((peer, op)) if self._gathering else None
@@ -369,6 +371,12 @@ class Transfers:
                                               gathering.finished_at, now)
                     return await self._member(gathering, entry, started,
                                               self._config.transfer_timeout, True)
+        elif type(local_blocks) is not list or type(remote_blocks) is not list:
+            mine, theirs = plain_ids(local_blocks), plain_ids(remote_blocks)
+            if type(mine) is list and type(theirs) is list:
+                # A tuple, a range or a short integer array: the same call with the list it
+                # stands for (lists take the fast paths).
+                return await self.transfer_blocks(peer, mine, theirs, op, notify, timeout)
         if local_idx is None or remote_idx is None:
             local_idx = small_indices(local_blocks, self._num_blocks, self._offset_list)
             remote_idx = small_indices(remote_blocks, peer.num_blocks, peer._offset_list)

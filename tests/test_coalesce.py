@@ -127,12 +127,12 @@ async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact()
     assert zero_resources(dst) and zero_resources(src)
 
 
-async def test_one_block_calls_given_as_tuples_ranges_or_arrays_are_merged_and_exact() -> None:
+async def test_one_block_calls_given_as_tuples_ranges_arrays_or_numpy_ints_merge_exactly() -> None:
     # Ids as a server may hold them: each form is made a list once and then takes the
     # one-block path that lists take (joining merged requests), with the same bytes.
     forms: list[Callable[[int], Any]] = [
         lambda b: (b,), lambda b: range(b, b + 1), lambda b: np.array([b], np.int64),
-        lambda b: np.array([b], np.uint16), lambda b: [b]]
+        lambda b: np.array([b], np.uint16), lambda b: [np.int64(b)], lambda b: [b]]
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=11)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=12)
     src_before = [r.copy() for r in src_cache]

@@ -217,6 +217,8 @@ BAD_ARGS: list[tuple[str, dict[str, Any]]] = [
     ("bool ids", {"local_blocks": [True], "remote_blocks": [1]}),
     ("2-D array", {"local_blocks": np.zeros((1, 1), dtype=np.int32), "remote_blocks": [1]}),
     ("bool array", {"local_blocks": np.array([True]), "remote_blocks": [1]}),
+    ("numpy bool id", {"local_blocks": [np.True_], "remote_blocks": [1]}),
+    ("numpy int out of range", {"local_blocks": [np.int64(8)], "remote_blocks": [np.uint8(0)]}),
     ("id beyond int64", {"local_blocks": [2**70], "remote_blocks": [0]}),
     ("uint64 array beyond int64", {"local_blocks": [0], "remote_blocks": np.array([2**64 - 1], np.uint64)}),
     ("tuple out of range", {"local_blocks": (0,), "remote_blocks": (12,)}),

@@ -14,6 +14,7 @@ from aionixl._regions import (
     describe_regions,
     descriptor_indices,
     plain_ids,
+    plain_int,
     region_offsets,
     registration_spans,
 )
@@ -99,3 +100,10 @@ def test_plain_ids_turn_tuples_ranges_and_short_integer_arrays_into_lists() -> N
             range(65), "12", 3]
     for value in left:
         assert plain_ids(value) is value
+
+
+def test_plain_int_turns_numpy_integers_into_ints_only() -> None:
+    for value in (np.int64(5), np.uint16(7), np.int8(-1)):
+        assert type(plain_int(value)) is int and plain_int(value) == value
+    for other in (np.True_, np.float32(1.0), 3, True, "3"):
+        assert plain_int(other) is other
