@@ -216,6 +216,7 @@ _CROWDED = 0.0002
 
 _ONE_BLOCK_CACHE = 4096
 _perf = time.perf_counter
+_INF = math.inf
 
 #: How long after a merged request ended its members still count as arriving together
 #: (a bound, in case one of them never runs again).
@@ -339,7 +340,9 @@ class Transfers:
                 remote_idx = peer._one_block.get(rb)
                 gathering = self._gathering.get((peer, op)) if self._gathering else None
                 if gathering is not None and local_idx is not None and remote_idx is not None \
-                        and notify is None and timeout is None and not self._owing \
+                        and notify is None and not self._owing \
+                        and (timeout is None or ((type(timeout) is float or type(timeout) is int)
+                             and 0 < timeout < _INF)) \
                         and gathering.blocks < self._max_merged \
                         and (block := lb if op == "read" else rb) not in gathering.dests:
                     # The commonest call under load, joining a merged request that is
@@ -347,7 +350,8 @@ class Transfers:
                     started = _perf()
                     self._last_caller = _JOINED  # whoever calls next is "another task"
                     self._last_call = started
-                    expires = started + self._config.transfer_timeout
+                    limit = self._config.transfer_timeout if timeout is None else timeout
+                    expires = started + limit
                     entry: _Entry = (local_idx, remote_idx, 1, b"", expires)
                     gathering.entries.append(entry)
                     gathering.blocks += 1
@@ -370,8 +374,7 @@ class Transfers:
                         now = self._last_yield = _perf()
                         return self._done_one(op, started, gathering.posted_at,
                                               gathering.finished_at, now)
-                    return await self._member(gathering, entry, started,
-                                              self._config.transfer_timeout, True)
+                    return await self._member(gathering, entry, started, limit, True)
         elif type(local_blocks) is not list or type(remote_blocks) is not list:
             mine, theirs = plain_ids(local_blocks), plain_ids(remote_blocks)
             if type(mine) is list and type(theirs) is list:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -207,6 +208,46 @@ async def test_callers_aimed_at_one_destination_post_alone_instead_of_each_gathe
         assert merged(dst)[1] >= 15, merged(dst)
         for region in range(REGIONS):
             assert np.array_equal(dst_cache[region][10:30], src_before[region][30:50])
+    assert zero_resources(dst) and zero_resources(src)
+
+
+async def test_a_bad_timeout_fails_alone_while_a_merged_request_gathers() -> None:
+    # Joining on the one-block fast path (blocks seen before) checks the timeout as the
+    # general path does: a bad one is a ValueError for that caller; the others merge.
+    bad = [math.nan, -1.0, 0, True, "1", -math.inf]
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=15)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=16)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        for block in range(20):
+            await dst.transfer_blocks(peer, [block], [block])
+        before = dst_cache[0][0].copy()
+        joined: set[int] = set()  # bad calls made while a merged request gathered
+
+        async def call(i: int, errors: dict[int, Exception]) -> None:
+            try:
+                if i < len(bad):
+                    if dst._transfers._gathering:
+                        joined.add(i)
+                    await dst.transfer_blocks(peer, [i], [i], timeout=bad[i])
+                else:
+                    await dst.transfer_blocks(peer, [i], [i], timeout=5 if i % 2 else 5.0)
+            except ValueError as exc:
+                errors[i] = exc
+
+        for _ in range(20):  # until each bad value met a gathering request (trio's order varies)
+            src_cache[0][:20] += 1
+            errors: dict[int, Exception] = {}
+            async with anyio.create_task_group() as tg:
+                for i in [*range(len(bad), 20), *range(len(bad))]:  # the good ones first
+                    tg.start_soon(call, i, errors)
+            assert sorted(errors) == list(range(len(bad))), errors
+            assert all("timeout" in str(e) for e in errors.values())
+            assert np.array_equal(dst_cache[0][len(bad):20], src_cache[0][len(bad):20])
+            assert np.array_equal(dst_cache[0][0], before)  # never moved again
+            if len(joined) == len(bad):
+                break
+        assert len(joined) == len(bad), joined
+        assert merged(dst)[1] >= 10, merged(dst)
     assert zero_resources(dst) and zero_resources(src)
 
 
@@ -840,7 +881,8 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
     async with RemoteEngine(seed=13, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
             aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
         peer = await eng.connect(child.address, timeout=30)
-        await eng.transfer_blocks(peer, [0], [0])
+        for i in range(7):  # each block once: later one-block calls join on the fast path
+            await eng.transfer_blocks(peer, [i], [i], "write")
         await child.pause()
         outcomes: dict[int, object] = {}
         timed: dict[int, float] = {}
@@ -866,6 +908,7 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
         for i, limit in limits.items():
             # Each at its own deadline: the first one woken must not sleep on to the next.
             assert isinstance(outcomes[i], aionixl.TransferTimeoutError), outcomes[i]
+            assert f"within {limit} s" in str(outcomes[i]), outcomes[i]
             assert limit <= timed[i] < limit + 0.3, (i, timed[i])
         ok = [1, 3, 4, 6]
         assert all(isinstance(outcomes[i], aionixl.TransferResult) for i in ok), outcomes
