@@ -44,6 +44,7 @@ from ._metrics import TransferMetrics
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
 from ._peers import (
     MULTI_NOTIFY,
+    RESERVED,
     TAGGED_NOTIFY,
     Peer,
     PeerTable,
@@ -340,7 +341,9 @@ class Transfers:
                 remote_idx = peer._one_block.get(rb)
                 gathering = self._gathering.get((peer, op)) if self._gathering else None
                 if gathering is not None and local_idx is not None and remote_idx is not None \
-                        and notify is None and not self._owing \
+                        and not self._owing \
+                        and (notify is None or (type(notify) is bytes and not notify.startswith(RESERVED)
+                                                and MULTI_NOTIFY in peer.features)) \
                         and (timeout is None or ((type(timeout) is float or type(timeout) is int)
                              and 0 < timeout < _INF)) \
                         and gathering.blocks < self._max_merged \
@@ -352,8 +355,11 @@ class Transfers:
                     self._last_call = started
                     limit = self._config.transfer_timeout if timeout is None else timeout
                     expires = started + limit
-                    entry: _Entry = (local_idx, remote_idx, 1, b"", expires)
+                    message = b"" if notify is None else notify
+                    entry: _Entry = (local_idx, remote_idx, 1, message, expires)
                     gathering.entries.append(entry)
+                    if message:
+                        gathering.messages += 1
                     gathering.blocks += 1
                     gathering.dests.add(block)
                     gathering.live += 1

@@ -211,10 +211,14 @@ async def test_callers_aimed_at_one_destination_post_alone_instead_of_each_gathe
     assert zero_resources(dst) and zero_resources(src)
 
 
-async def test_a_bad_timeout_fails_alone_while_a_merged_request_gathers() -> None:
-    # Joining on the one-block fast path (blocks seen before) checks the timeout as the
-    # general path does: a bad one is a ValueError for that caller; the others merge.
-    bad = [math.nan, -1.0, 0, True, "1", -math.inf]
+async def test_a_bad_timeout_or_notify_fails_alone_while_a_merged_request_gathers() -> None:
+    # Joining on the one-block fast path (blocks seen before) checks the timeout and the
+    # notification as the general path does: a bad one is a ValueError for that caller
+    # alone; the others merge.
+    bad: list[dict[str, Any]] = [
+        {"timeout": math.nan}, {"timeout": -1.0}, {"timeout": 0}, {"timeout": True},
+        {"timeout": "1"}, {"timeout": -math.inf}, {"notify": "text"},
+        {"notify": b"\x00aionixl-x"}, {"notify": bytearray(b"\x00aionixl-y")}]
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=15)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=16)
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
@@ -228,7 +232,7 @@ async def test_a_bad_timeout_fails_alone_while_a_merged_request_gathers() -> Non
                 if i < len(bad):
                     if dst._transfers._gathering:
                         joined.add(i)
-                    await dst.transfer_blocks(peer, [i], [i], timeout=bad[i])
+                    await dst.transfer_blocks(peer, [i], [i], **bad[i])
                 else:
                     await dst.transfer_blocks(peer, [i], [i], timeout=5 if i % 2 else 5.0)
             except ValueError as exc:
@@ -241,7 +245,7 @@ async def test_a_bad_timeout_fails_alone_while_a_merged_request_gathers() -> Non
                 for i in [*range(len(bad), 20), *range(len(bad))]:  # the good ones first
                     tg.start_soon(call, i, errors)
             assert sorted(errors) == list(range(len(bad))), errors
-            assert all("timeout" in str(e) for e in errors.values())
+            assert all(next(iter(bad[i])) in str(e) for i, e in errors.items()), errors
             assert np.array_equal(dst_cache[0][len(bad):20], src_cache[0][len(bad):20])
             assert np.array_equal(dst_cache[0][0], before)  # never moved again
             if len(joined) == len(bad):
@@ -251,11 +255,18 @@ async def test_a_bad_timeout_fails_alone_while_a_merged_request_gathers() -> Non
     assert zero_resources(dst) and zero_resources(src)
 
 
-async def test_each_notification_arrives_once_and_after_its_data() -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["first-calls", "fast-path"])
+async def test_each_notification_arrives_once_and_after_its_data(warm: bool) -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=3)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=4)
-    dst_before = [r.copy() for r in dst_cache]
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        if warm:
+            # Every block below seen once (crosswise, so that no data is in place yet): the
+            # one-block calls then join on the fast path, notifications and all.
+            for i in range(16):
+                await dst.transfer_blocks(peer, [i], [32 + i])
+                await dst.transfer_blocks(peer, [32 + i], [i])
+        dst_before = [r.copy() for r in dst_cache]
         seen: list[bytes] = []
 
         async def write(i: int) -> None:
