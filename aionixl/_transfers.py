@@ -339,6 +339,12 @@ class Transfers:
             else:
                 local_idx = self._one_block.get(lb)
                 remote_idx = peer._one_block.get(rb)
+                if local_idx is None:  # not seen lately (a cache larger than the memo)
+                    local_idx = _one_block_indices(self._one_block, lb, self._num_blocks,
+                                                   self._offset_list)
+                if remote_idx is None:
+                    remote_idx = _one_block_indices(peer._one_block, rb, peer.num_blocks,
+                                                    peer._offset_list)
                 gathering = self._gathering.get((peer, op)) if self._gathering else None
                 if gathering is not None and local_idx is not None and remote_idx is not None \
                         and not self._owing \
@@ -1003,6 +1009,17 @@ def _merged_indices(entries: list[_Entry], blocks: int, local_offsets: IndexArra
         remote_array = np.array(remote, dtype=np.int32)
     order = np.argsort(local_array, kind="stable")
     return local_array[order], remote_array[order]
+
+
+def _one_block_indices(cache: dict[int, list[int]], block: int, num_blocks: int,
+                       offsets: list[int]) -> list[int] | None:
+    """A valid block id's descriptor indices, remembered; None for an invalid one (the
+    general path then says what is wrong)."""
+    if not 0 <= block < num_blocks:
+        return None
+    indices = [o + block for o in offsets]
+    _remember(cache, block, indices)
+    return indices
 
 
 def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> None:

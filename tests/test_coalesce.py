@@ -164,6 +164,33 @@ async def test_one_block_calls_given_as_tuples_ranges_arrays_or_numpy_ints_merge
     assert zero_resources(dst) and zero_resources(src)
 
 
+async def test_one_block_calls_over_more_blocks_than_the_engine_remembers_are_exact() -> None:
+    # The engine remembers the descriptor indices of the last few thousand one-block ids
+    # (_ONE_BLOCK_CACHE); past that, each call builds them again and still joins inline.
+    blocks = _transfers._ONE_BLOCK_CACHE + 904
+    src_cache = numpy_cache(blocks, 16, REGIONS, seed=17)
+    dst_cache = numpy_cache(blocks, 16, REGIONS, seed=18)
+    src_before = [r.copy() for r in src_cache]
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        width = 64
+
+        async def worker(i: int) -> None:
+            for block in range(i, blocks, width):  # remote blocks in reverse
+                await dst.transfer_blocks(peer, [block], [blocks - 1 - block])
+
+        for _ in range(2):
+            async with anyio.create_task_group() as tg:
+                for i in range(width):
+                    tg.start_soon(worker, i)
+            for region in range(REGIONS):
+                assert np.array_equal(dst_cache[region], src_before[region][::-1])
+            dst_cache[0][:] = 0
+        requests, calls = merged(dst)
+        assert calls >= blocks, (requests, calls)
+        assert len(dst._transfers._one_block) <= _transfers._ONE_BLOCK_CACHE
+    assert zero_resources(dst) and zero_resources(src)
+
+
 async def test_callers_aimed_at_one_destination_post_alone_instead_of_each_gathering(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # 20 concurrent reads into local block 0 (from remote blocks 1..20) can never share a
