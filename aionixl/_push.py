@@ -62,7 +62,7 @@ from ._errors import (
     TransferError,
     TransferTimeoutError,
 )
-from ._nixl import DONE, NO_HANDLE, PROC, Indices
+from ._nixl import DONE, NO_HANDLE, PROC, Indices, Status
 from ._notifications import Mailbox, Notification
 from ._peers import RESERVED, Peer, PeerTable
 from ._ratelimit import RateLimitedLog
@@ -610,12 +610,13 @@ class Pusher:
                 or self._peers.owner._state not in (OPEN, DRAINING):
             return
         limit = self._config.push_cancel_timeout
+        ended: list[Status] = []
         with anyio.CancelScope(shield=True):
             try:
                 handle, status = agent.start_xfer("read", transfers.local_dlist, [int(local_idx[0])],
                                                   peer._dlist, [int(remote_idx[0])], b"", 1)
                 if status is not DONE or handle != NO_HANDLE:
-                    await transfers._finish(peer, handle, status, limit)
+                    await transfers._finish(peer, handle, status, limit, ended)
             except TransferTimeoutError:
                 self._evict_unfenced(peer, f"an aborted read was not fenced within {limit} s")
             except AionixlError:
@@ -623,8 +624,10 @@ class Pusher:
             except BaseException:
                 # A cancellation the shield does not hold back (asyncio's own Task.cancel(),
                 # which asyncio.timeout and TaskGroup use) cut the fence short: unconfirmed,
-                # like one that timed out.
-                self._evict_unfenced(peer, "an aborted read's fence was cancelled")
+                # like one that timed out. Unless the poller had seen the fence finish (the
+                # cancel landed between that and the task running again): then it confirmed.
+                if ended != [DONE]:
+                    self._evict_unfenced(peer, "an aborted read's fence was cancelled")
                 raise
 
     def _evict_unfenced(self, peer: Peer, reason: str) -> None:

@@ -786,8 +786,11 @@ class Transfers:
 
     # ---- waiting ------------------------------------------------------------------------
 
-    async def _finish(self, peer: Peer, handle: int, status: Status, limit: float) -> None:
-        """Wait for a posted transfer through the poller; always release its handle."""
+    async def _finish(self, peer: Peer, handle: int, status: Status, limit: float,
+                      ended: list[Status] | None = None) -> None:
+        """Wait for a posted transfer through the poller; always release its handle.
+        ``ended`` gets the state the poller last saw, however the wait ended (a wait cut
+        short by a cancellation may have seen the transfer finish)."""
         agent = self.agent
         assert agent is not None
         rec: _InFlight | None = None
@@ -810,6 +813,8 @@ class Transfers:
             # and NIXL may since have given the same value to another transfer: release only
             # what is still ours.
             owned = rec is None or self.inflight.get(handle) is rec
+            if ended is not None:
+                ended.append(status if rec is None else rec.status)
             if rec is not None and owned:
                 del self.inflight[handle]
             if owned:
