@@ -146,7 +146,7 @@ class _Batch(_InFlight):
     """
 
     __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted",
-                 "posted_at", "finished_at", "waiters", "tag", "spilled", "_wake", "_unpark_all")
+                 "posted_at", "finished_at", "waiters", "tag", "_wake", "_unpark_all")
 
     def __init__(self, peer: Peer, op: Op, wake: Callable[[list[object]], None],
                  unpark_all: Unpark) -> None:
@@ -168,7 +168,6 @@ class _Batch(_InFlight):
         #: Its notifications' tag (``pack_tagged``), given at the first post that packs them
         #: and kept by every later one; 0 until then.
         self.tag = 0
-        self.spilled = False  # see Transfers._gather
         self._wake = wake  # wakes the members at the end (Transfers._wake_members)
         self._unpark_all = unpark_all
 
@@ -441,18 +440,11 @@ class Transfers:
                 dest = local_blocks if op == "read" else remote_blocks
                 # A one-block list is read at once, never kept.
                 dests = dest if nblocks == 1 and type(dest) is list else _destinations(dest)
-                if gathering is None or gathering.blocks + nblocks > self._max_merged:
-                    return await self._gather(peer, op, entry, dests, started, limit)
-                if gathering.dests.isdisjoint(dests):
+                if gathering is not None and gathering.blocks + nblocks <= self._max_merged \
+                        and gathering.dests.isdisjoint(dests):
                     gathering.add(entry, dests)
                     return await self._member(gathering, entry, started, limit)
-                # A destination the gathering request already has: never in one request.
-                # Open another for this caller and those after it, unless the last one
-                # opened that way is still alone: then callers keep aiming at blocks the
-                # one before them has (say, at one block), and gathering would only cost
-                # each a trip through the loop (1.5x a lone post, 64 callers at one block).
-                if not (gathering.spilled and len(gathering.entries) == 1):
-                    return await self._gather(peer, op, entry, dests, started, limit, True)
+                return await self._gather(peer, op, entry, dests, started, limit)
         agent = self.agent
         assert agent is not None
         try:
@@ -510,11 +502,9 @@ class Transfers:
     # ---- coalescing ---------------------------------------------------------------------
 
     async def _gather(self, peer: Peer, op: Op, entry: _Entry, dests: Sequence[int],
-                      started: float, limit: float, spilled: bool = False) -> TransferResult:
-        """Open a merged request, let the callers arriving with us join, post it.
-        ``spilled``: opened because the one gathering had this caller's destination."""
+                      started: float, limit: float) -> TransferResult:
+        """Open a merged request, let the callers arriving with us join, post it."""
         batch = _Batch(peer, op, self._wake_members, self._unpark_all)
-        batch.spilled = spilled
         batch.add(entry, dests)
         key = (peer, op)
         self._gathering[key] = batch

@@ -191,53 +191,6 @@ async def test_one_block_calls_over_more_blocks_than_the_engine_remembers_are_ex
     assert zero_resources(dst) and zero_resources(src)
 
 
-async def test_callers_aimed_at_one_destination_post_alone_instead_of_each_gathering(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # 20 concurrent reads into local block 0 (from remote blocks 1..20) can never share a
-    # request. The first opens one, the second another for destinations the first has; from
-    # then on each posts at once instead of opening a request of its own and yielding.
-    opened: list[bool] = []
-
-    class Counted(_transfers._Batch):
-        __slots__ = ()
-
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            opened.append(True)
-
-    monkeypatch.setattr(_transfers, "_Batch", Counted)
-    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=13)
-    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=14)
-    src_before = [r.copy() for r in src_cache]
-    dst_before = [r.copy() for r in dst_cache]
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
-        results: list[aionixl.TransferResult] = []
-
-        async def call(i: int) -> None:
-            results.append(await dst.transfer_blocks(peer, [0], [1 + i]))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(20):
-                tg.start_soon(call, i)
-        assert len(results) == 20 and all(r.blocks == 1 for r in results)
-        assert len(opened) <= 2, len(opened)
-        assert merged(dst) == (0, 0)
-        # Block 0 holds one of the sources whole; nothing else moved.
-        assert any(all(np.array_equal(dst_cache[r][0], src_before[r][1 + i]) for r in range(REGIONS))
-                   for i in range(20))
-        for region in range(REGIONS):
-            assert np.array_equal(dst_cache[region][1:], dst_before[region][1:])
-        # Then callers with distinct destinations still gather together.
-        opened.clear()
-        async with anyio.create_task_group() as tg:
-            for i in range(20):
-                tg.start_soon(dst.transfer_blocks, peer, [10 + i], [30 + i])
-        assert merged(dst)[1] >= 15, merged(dst)
-        for region in range(REGIONS):
-            assert np.array_equal(dst_cache[region][10:30], src_before[region][30:50])
-    assert zero_resources(dst) and zero_resources(src)
-
-
 async def test_a_bad_timeout_or_notify_fails_alone_while_a_merged_request_gathers() -> None:
     # Joining on the one-block fast path (blocks seen before) checks the timeout and the
     # notification as the general path does: a bad one is a ValueError for that caller
