@@ -180,12 +180,19 @@ def plain_ids(value: object) -> object:
     """A tuple, a short range or a short 1-D integer numpy array of block ids as a list: the
     form the transfer fast paths take (given as arrays or tuples, a one-block call cost
     2-3x more than given as lists); anything else as it is."""
-    if type(value) is tuple or (type(value) is range and len(value) <= _SMALL):
+    if type(value) is tuple or (type(value) is range and _short(value)):
         return list(value)
     if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu" \
             and value.size <= _SMALL:
         return value.tolist()
     return value
+
+
+def _short(ids: range) -> bool:
+    try:
+        return len(ids) <= _SMALL
+    except OverflowError:  # longer than any index
+        return False
 
 
 def plain_int(value: Any) -> Any:
@@ -201,6 +208,12 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
     """Turn a sequence of ints or a 1-D integer array into validated int32 block ids."""
     if isinstance(value, np.ndarray):
         arr = value
+    elif isinstance(value, range):
+        # Checked by its ends, not walked: range(2**70) is refused at once.
+        if value and max(value[0], value[-1]) >= num_blocks:
+            raise ValueError(f"{what} has block id {max(value[0], value[-1])}, but there are "
+                             f"only {num_blocks} blocks")
+        arr = np.arange(value.start, value.stop, value.step, dtype=np.int64)
     elif isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
         raise ValueError(f"{what} must be a sequence of ints or a 1-D integer numpy array")
     else:

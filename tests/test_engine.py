@@ -223,6 +223,8 @@ BAD_ARGS: list[tuple[str, dict[str, Any]]] = [
     ("uint64 array beyond int64", {"local_blocks": [0], "remote_blocks": np.array([2**64 - 1], np.uint64)}),
     ("tuple out of range", {"local_blocks": (0,), "remote_blocks": (12,)}),
     ("range out of range", {"local_blocks": range(7, 9), "remote_blocks": range(2)}),
+    ("range beyond any index", {"local_blocks": range(2**70), "remote_blocks": range(2**70)}),
+    ("long range of negative ids", {"local_blocks": range(-100, 0), "remote_blocks": range(100)}),
     ("duplicate read destination array", {"local_blocks": np.array([2, 2]), "remote_blocks": (0, 1)}),
     ("str ids", {"local_blocks": "01", "remote_blocks": [0, 1]}),
     ("duplicate read destination", {"local_blocks": [2, 2], "remote_blocks": [0, 1]}),

@@ -79,11 +79,13 @@ def test_block_ids_accept_ints_and_integer_arrays() -> None:
     assert block_ids([3, 1], 4, "x").tolist() == [3, 1]
     assert block_ids(np.array([0, 3], np.uint8), 4, "x").dtype == np.int32
     assert block_ids((np.int64(2),), 4, "x").tolist() == [2]
+    assert block_ids(range(3, -1, -2), 4, "x").tolist() == [3, 1]
 
 
 @pytest.mark.parametrize("value", [[4], [-1], [], [1.0], [True], "12", np.array([[1]]),
                                    np.array([0.5]), 3, None, [None], [2**70], [-2**70],
-                                   np.array([2**64 - 1], np.uint64)])
+                                   np.array([2**64 - 1], np.uint64), range(2**70), range(0),
+                                   range(-70, 0), range(3, -70, -1)])
 def test_block_ids_refuse_bad_input(value: Any) -> None:
     with pytest.raises(ValueError):
         block_ids(value, 4, "x")
