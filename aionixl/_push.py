@@ -620,7 +620,10 @@ class Pusher:
             except TransferTimeoutError:
                 self._evict_unfenced(peer, f"an aborted read was not fenced within {limit} s")
             except AionixlError:
-                pass  # the fence failed: the peer was evicted, its connection closed
+                # The fence failed. Mostly its peer was evicted with it (its connection is
+                # closed); where not (NIXL failed this one transfer), nothing confirmed the
+                # aborted read: evict, as for a fence that timed out.
+                self._evict_unfenced(peer, "an aborted read's fence failed")
             except BaseException:
                 # A cancellation the shield does not hold back (asyncio's own Task.cancel(),
                 # which asyncio.timeout and TaskGroup use) cut the fence short: unconfirmed,

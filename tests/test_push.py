@@ -252,6 +252,47 @@ async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_pe
         await dst.transfer_blocks(peer, [2], [2], timeout=10)  # the peer still serves
 
 
+async def test_a_fence_that_fails_alone_evicts_the_peer() -> None:
+    """A timed-out GET read is fenced, and NIXL fails the fence read itself (its state check
+    raises; the poller fails that transfer but keeps the peer). Nothing confirmed the
+    aborted read, so the peer is evicted as for a fence that timed out (before, it was
+    kept, and the aborted read could still write after the call returned)."""
+    config = aionixl.EngineConfig(read_mode="get", inline_polls=0)
+    async with engine_pair(numpy_cache(8, 1024, 2, seed=4), numpy_cache(8, 1024, 2), config) \
+            as (_src, dst, peer):
+        await dst.transfer_blocks(peer, [0], [0])
+        agent = dst._transfers.agent
+        assert agent is not None
+        real_start, real_check = agent.start_xfer, agent.check
+        read_handle, fence_handle = -1000, -1001  # stand-ins: release_xfer passes them
+        posts: list[int] = []
+
+        def start_xfer(*args: Any) -> Any:
+            posts.append(len(args[2]))
+            handle, state = real_start(*args)
+            if len(posts) <= 2:  # the read (it never ends), then its fence
+                if handle != _push.NO_HANDLE:
+                    agent.release_xfer(handle)
+                return -999 - len(posts), _push.PROC
+            return handle, state
+
+        def check(handle: int) -> Any:
+            if handle == read_handle:
+                return _push.PROC
+            if handle == fence_handle:
+                raise aionixl.TransferError("the fence read failed")
+            return real_check(handle)
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        agent.check = check  # type: ignore[method-assign]
+        with anyio.fail_after(5), pytest.raises(aionixl.TransferTimeoutError):
+            await dst.transfer_blocks(peer, [1], [1], timeout=0.2)
+        assert posts == [2, 1], posts  # the read (2 regions), then the fence
+        assert not peer.connected and dst.stats()["fence_evictions"] == 1
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The server stops mid-push (SIGSTOP) and cannot confirm the cancel: the reader evicts it
