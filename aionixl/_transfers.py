@@ -145,7 +145,7 @@ class _Batch(_InFlight):
     leaves before the post takes its blocks along.
     """
 
-    __slots__ = ("op", "entries", "blocks", "dests", "messages", "live", "handle", "posted",
+    __slots__ = ("op", "entries", "blocks", "dests", "live", "handle", "posted",
                  "posted_at", "finished_at", "waiters", "tag", "_wake", "_unpark_all")
 
     def __init__(self, peer: Peer, op: Op, wake: Callable[[list[object]], None],
@@ -159,7 +159,6 @@ class _Batch(_InFlight):
         self.entries: list[_Entry] = []
         self.blocks = 0
         self.dests: set[int] = set()
-        self.messages = 0
         self.live = 0  # members still waiting for it
         self.handle = NO_HANDLE
         self.posted = False
@@ -181,8 +180,6 @@ class _Batch(_InFlight):
         self.entries.append(entry)
         self.blocks += entry[2]
         self.dests.update(dests)
-        if entry[3]:
-            self.messages += 1
         self.live += 1
         if entry[4] < self.deadline:
             self.deadline = entry[4]
@@ -192,8 +189,6 @@ class _Batch(_InFlight):
         turns away a joiner that could have come in)."""
         self.entries.remove(entry)
         self.blocks -= entry[2]
-        if entry[3]:
-            self.messages -= 1
 
     def expire(self, now: float) -> None:
         """Some member's deadline passed: wake everyone to look (the rest wait again)."""
@@ -363,8 +358,6 @@ class Transfers:
                     message = b"" if notify is None else notify
                     entry: _Entry = (local_idx, remote_idx, 1, message, expires)
                     gathering.entries.append(entry)
-                    if message:
-                        gathering.messages += 1
                     gathering.blocks += 1
                     gathering.dests.add(block)
                     gathering.live += 1
