@@ -194,6 +194,39 @@ async def test_no_late_bytes_after_a_cancelled_or_timed_out_get_over_shared_memo
     assert zero_resources(eng)
 
 
+#: Stand-in handles of ``_stuck_read_then_fence``: never NIXL's; release_xfer passes them.
+READ_HANDLE, FENCE_HANDLE = -1000, -1001
+
+
+def _stuck_read_then_fence(engine: aionixl.Engine, fence_check: Any) -> list[int]:
+    """From now on the engine's next read never ends, and its fence read's state checks
+    return (or raise) what ``fence_check()`` does. Returns the posts' descriptor counts."""
+    agent = engine._transfers.agent
+    assert agent is not None
+    real_start, real_check = agent.start_xfer, agent.check
+    posts: list[int] = []
+
+    def start_xfer(*args: Any) -> Any:
+        posts.append(len(args[2]))
+        handle, state = real_start(*args)
+        if len(posts) <= 2:  # the read, then its fence: NIXL's own requests released
+            if handle != _push.NO_HANDLE:
+                agent.release_xfer(handle)
+            return -999 - len(posts), _push.PROC
+        return handle, state
+
+    def check(handle: int) -> Any:
+        if handle == READ_HANDLE:
+            return _push.PROC
+        if handle == FENCE_HANDLE:
+            return fence_check()
+        return real_check(handle)
+
+    agent.start_xfer = start_xfer  # type: ignore[method-assign]
+    agent.check = check  # type: ignore[method-assign]
+    return posts
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_peer() -> None:
     """A lone GET read is cancelled (asyncio's own Task.cancel(), which anyio's shield does
@@ -207,39 +240,20 @@ async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_pe
             as (_src, dst, peer):
         assert peer.read_mode == "get"
         await dst.transfer_blocks(peer, [0], [0])
-        agent = dst._transfers.agent
-        assert agent is not None
-        real_start, real_check = agent.start_xfer, agent.check
-        read_handle, fence_handle = -1000, -1001  # stand-ins: release_xfer passes them
-        posts: list[int] = []
         reader: list[asyncio.Task[Any]] = []
 
-        def start_xfer(*args: Any) -> Any:
-            posts.append(len(args[2]))
-            handle, state = real_start(*args)
-            if len(posts) <= 2:  # the read (it never ends), then its fence
-                if handle != _push.NO_HANDLE:
-                    agent.release_xfer(handle)
-                return -999 - len(posts), _push.PROC
-            return handle, state
+        def fence_finished() -> Any:  # ... and the reader is cancelled before it runs
+            reader[0].cancel()
+            return _push.DONE
 
-        def check(handle: int) -> Any:
-            if handle == read_handle:
-                return _push.PROC
-            if handle == fence_handle:  # finished; the reader is cancelled before it runs
-                reader[0].cancel()
-                return _push.DONE
-            return real_check(handle)
-
-        agent.start_xfer = start_xfer  # type: ignore[method-assign]
-        agent.check = check  # type: ignore[method-assign]
+        posts = _stuck_read_then_fence(dst, fence_finished)
 
         async def read() -> None:
             await dst.transfer_blocks(peer, [1], [1], timeout=30)
 
         reader.append(asyncio.get_running_loop().create_task(read()))
         with anyio.fail_after(5):
-            while read_handle not in dst._transfers.inflight:
+            while READ_HANDLE not in dst._transfers.inflight:
                 await anyio.sleep(0)
             reader[0].cancel()  # leaves the read: it fences
             with pytest.raises(asyncio.CancelledError):
@@ -248,8 +262,7 @@ async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_pe
         assert peer.connected and dst.stats()["fence_evictions"] == 0
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
-        agent.start_xfer, agent.check = real_start, real_check  # type: ignore[method-assign]
-        await dst.transfer_blocks(peer, [2], [2], timeout=10)  # the peer still serves
+        await dst.transfer_blocks(peer, [2, 3], [2, 3], timeout=10)  # the peer still serves
 
 
 async def test_a_fence_that_fails_alone_evicts_the_peer() -> None:
@@ -261,30 +274,11 @@ async def test_a_fence_that_fails_alone_evicts_the_peer() -> None:
     async with engine_pair(numpy_cache(8, 1024, 2, seed=4), numpy_cache(8, 1024, 2), config) \
             as (_src, dst, peer):
         await dst.transfer_blocks(peer, [0], [0])
-        agent = dst._transfers.agent
-        assert agent is not None
-        real_start, real_check = agent.start_xfer, agent.check
-        read_handle, fence_handle = -1000, -1001  # stand-ins: release_xfer passes them
-        posts: list[int] = []
 
-        def start_xfer(*args: Any) -> Any:
-            posts.append(len(args[2]))
-            handle, state = real_start(*args)
-            if len(posts) <= 2:  # the read (it never ends), then its fence
-                if handle != _push.NO_HANDLE:
-                    agent.release_xfer(handle)
-                return -999 - len(posts), _push.PROC
-            return handle, state
+        def fence_failed() -> Any:
+            raise aionixl.TransferError("the fence read failed")
 
-        def check(handle: int) -> Any:
-            if handle == read_handle:
-                return _push.PROC
-            if handle == fence_handle:
-                raise aionixl.TransferError("the fence read failed")
-            return real_check(handle)
-
-        agent.start_xfer = start_xfer  # type: ignore[method-assign]
-        agent.check = check  # type: ignore[method-assign]
+        posts = _stuck_read_then_fence(dst, fence_failed)
         with anyio.fail_after(5), pytest.raises(aionixl.TransferTimeoutError):
             await dst.transfer_blocks(peer, [1], [1], timeout=0.2)
         assert posts == [2, 1], posts  # the read (2 regions), then the fence
