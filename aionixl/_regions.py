@@ -170,9 +170,6 @@ def small_indices(value: object, num_blocks: int, offsets: list[int]) -> list[in
     for v in value:
         if type(v) is not int or v < 0 or v >= num_blocks:
             return None
-    if len(value) == 1:
-        b = value[0]
-        return [o + b for o in offsets]
     return [o + b for o in offsets for b in value]
 
 

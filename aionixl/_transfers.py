@@ -394,9 +394,6 @@ class Transfers:
                                                                        remote_blocks, op)
             else:
                 nblocks = len(local_blocks)
-                if nblocks == 1:
-                    _remember(self._one_block, local_blocks[0], local_idx)
-                    _remember(peer._one_block, remote_blocks[0], remote_idx)
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
@@ -1001,17 +998,12 @@ def _merged_indices(entries: list[_Entry], blocks: int, local_offsets: IndexArra
 
 def _one_block_indices(cache: dict[int, list[int]], block: int, num_blocks: int,
                        offsets: list[int]) -> list[int] | None:
-    """A valid block id's descriptor indices, remembered; None for an invalid one (the
-    general path then says what is wrong)."""
+    """A valid block id's descriptor indices, remembered for the one-block fast path (the
+    last _ONE_BLOCK_CACHE ids); None for an invalid one (the general path then says what
+    is wrong)."""
     if not 0 <= block < num_blocks:
         return None
-    indices = [o + block for o in offsets]
-    _remember(cache, block, indices)
-    return indices
-
-
-def _remember(cache: dict[int, list[int]], block: int, indices: list[int]) -> None:
-    """Keep a validated block's descriptor indices for the one-block fast path (bounded)."""
     if len(cache) >= _ONE_BLOCK_CACHE:
         cache.clear()
-    cache[block] = indices
+    indices = cache[block] = [o + block for o in offsets]
+    return indices
