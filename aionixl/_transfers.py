@@ -210,6 +210,9 @@ _SLICE_SHORT = 0.0001
 _CROWDED = 0.0002
 
 _ONE_BLOCK_CACHE = 4096
+#: A caller tries at most this many of the newest merged requests gathering before it opens
+#: one more (callers that all write one block would otherwise each try every one).
+_GATHERING_TRIED = 16
 _perf = time.perf_counter
 _INF = math.inf
 
@@ -250,8 +253,11 @@ class Transfers:
         self._coalesce = config.coalesce
         self._max_merged = config.coalesce_max_blocks
         self._window = config.coalesce_window
-        #: Merged requests still gathering members, by (peer, op).
-        self._gathering: dict[tuple[Peer, Op], _Batch] = {}
+        #: Merged requests still gathering members, by (peer, op), oldest first. A caller
+        #: whose destination block one of them already writes opens another (never the
+        #: same block twice in one request), and the callers after it join whichever has
+        #: room (``_with_room``): callers that share blocks still fill few requests.
+        self._gathering: dict[tuple[Peer, Op], list[_Batch]] = {}
         #: Who called last, and when: a call from another task right after it means
         #: callers are arriving together, and this one gathers.
         self._current_task: Callable[[], object] = _no_task
@@ -319,6 +325,7 @@ class Transfers:
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
         local_idx: Indices | None
         remote_idx: Indices | None
+        gathering: _Batch | None
         local_idx = remote_idx = None
         nblocks = 1
         if type(local_blocks) is list and type(remote_blocks) is list \
@@ -339,15 +346,18 @@ class Transfers:
                 if remote_idx is None:
                     remote_idx = _one_block_indices(peer._one_block, rb, peer.num_blocks,
                                                     peer._offset_list)
-                gathering = self._gathering.get((peer, op)) if self._gathering else None
-                if gathering is not None and local_idx is not None and remote_idx is not None \
-                        and not self._owing \
+                batches = self._gathering.get((peer, op)) if self._gathering else None
+                gathering = None
+                if batches is not None and not self._owing \
                         and (notify is None or (type(notify) is bytes and not notify.startswith(RESERVED)
                                                 and MULTI_NOTIFY in peer.features)) \
                         and (timeout is None or ((type(timeout) is float or type(timeout) is int)
-                             and 0 < timeout < _INF)) \
-                        and gathering.blocks < self._max_merged \
-                        and (block := lb if op == "read" else rb) not in gathering.dests:
+                             and 0 < timeout < _INF)):
+                    block = lb if op == "read" else rb
+                    gathering = batches[-1]
+                    if gathering.blocks >= self._max_merged or block in gathering.dests:
+                        gathering = _with_room(batches, block, self._max_merged)
+                if gathering is not None and local_idx is not None and remote_idx is not None:
                     # The commonest call under load, joining a merged request that is
                     # gathering: _Batch.add and _member, inline (no frame of their own).
                     started = _perf()
@@ -412,8 +422,8 @@ class Transfers:
             await self._pay_owed_cancel()
         started = time.perf_counter()
         if self._coalesce:
-            gathering = self._gathering.get((peer, op)) if self._gathering else None
-            if gathering is None:
+            batches = self._gathering.get((peer, op)) if self._gathering else None
+            if batches is None:
                 caller = self._current_task()
                 together = (caller is not self._last_caller and started - self._last_call < self._window) \
                     or (self._returning > 0 and started - self._woke_at < _RETURNING)
@@ -430,10 +440,12 @@ class Transfers:
                 dest = local_blocks if op == "read" else remote_blocks
                 # A one-block list is read at once, never kept.
                 dests = dest if nblocks == 1 and type(dest) is list else _destinations(dest)
-                if gathering is not None and gathering.blocks + nblocks <= self._max_merged \
-                        and gathering.dests.isdisjoint(dests):
-                    gathering.add(entry, dests)
-                    return await self._member(gathering, entry, started, limit)
+                if batches is not None:
+                    for gathering in reversed(batches[-_GATHERING_TRIED:]):
+                        if gathering.blocks + nblocks <= self._max_merged \
+                                and gathering.dests.isdisjoint(dests):
+                            gathering.add(entry, dests)
+                            return await self._member(gathering, entry, started, limit)
                 return await self._gather(peer, op, entry, dests, started, limit)
         agent = self.agent
         assert agent is not None
@@ -497,7 +509,11 @@ class Transfers:
         batch = _Batch(peer, op, self._wake_members, self._unpark_all)
         batch.add(entry, dests)
         key = (peer, op)
-        self._gathering[key] = batch
+        batches = self._gathering.get(key)
+        if batches is None:
+            self._gathering[key] = [batch]
+        else:
+            batches.append(batch)
         try:
             # One trip through the loop: the callers already scheduled run now and join.
             await self._yield_now()
@@ -545,8 +561,11 @@ class Transfers:
             self._wake_members(waiters)
 
     def _stop_gathering(self, key: tuple[Peer, Op], batch: _Batch) -> None:
-        if self._gathering.get(key) is batch:
-            del self._gathering[key]
+        batches = self._gathering.get(key)
+        if batches is not None and batch in batches:
+            batches.remove(batch)  # mostly the oldest: they post in the order they opened
+            if not batches:
+                del self._gathering[key]
 
     def _post(self, batch: _Batch) -> None:
         """Post a gathered request (or fail it, if its peer or the engine went away); also
@@ -948,6 +967,15 @@ def _unbound_park(waiters: list[object]) -> Awaitable[None]:
 
 def _unbound_unpark_all(waiters: list[object], limit: int = 0, /) -> int:
     raise RuntimeError("Transfers.bind_loop was not called")
+
+
+def _with_room(batches: list[_Batch], block: int, most: int) -> _Batch | None:
+    """The newest of the last few merged requests gathering (``batches[-1]`` excepted, the
+    caller tried it) with room for one more block that does not yet write ``block``."""
+    for batch in reversed(batches[-_GATHERING_TRIED:-1]):
+        if batch.blocks < most and block not in batch.dests:
+            return batch
+    return None
 
 
 def _destinations(blocks: Sequence[int] | IndexArray) -> Sequence[int]:

@@ -226,6 +226,9 @@ def main() -> None:
     p.add_argument("--widths", type=int, nargs="+", default=[1, 64, 1024])
     p.add_argument("--regions", type=int, default=2)
     p.add_argument("--block-bytes", type=int, default=4096)
+    p.add_argument("--blocks", type=int, default=None,
+                   help="blocks per region (default: the widest width, one block per caller); "
+                        "fewer make callers share blocks")
     p.add_argument("--transfers", type=int, default=8192, help="transfers per repeat and width")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--harness", nargs="+", choices=["loop", "wave", "spawn"], default=["loop", "wave"])
@@ -233,7 +236,7 @@ def main() -> None:
     p.add_argument("--no-baseline-off", action="store_true", help="skip the coalesce=False rows")
     p.add_argument("--no-floor", action="store_true", help="skip the harness-floor rows")
     args = p.parse_args()
-    blocks = max(args.widths)
+    blocks = args.blocks or max(args.widths)
     shape = (args.widths, args.regions, blocks, args.block_bytes)
     rows: dict[str, dict[int, list[float]]] = {}
     rows["bare NIXL batched"], rows["bare NIXL, one request"] = bare(*shape, args.transfers,

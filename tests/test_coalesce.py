@@ -325,6 +325,37 @@ async def test_writes_to_the_same_destination_block_are_never_merged() -> None:
         assert any(len(r) > REGIONS for r in posted)  # and merging did happen
 
 
+async def test_callers_sharing_destination_blocks_fill_few_requests() -> None:
+    """Sixteen readers into four local blocks, arriving block by block (0, 0, 0, 0, 1, ...):
+    each caller that finds its block taken in the newest request joins an older one that
+    is still gathering, so four requests carry them all, none with a block twice. (Had
+    each conflict opened a request that later callers could only join as the newest, the
+    run of equal blocks would open one request per caller: 13 here.)"""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+        await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
+        posted = posted_requests(dst, "local")
+        results: dict[int, Any] = {}
+
+        async def call(i: int) -> None:
+            results[i] = await dst.transfer_blocks(peer, [i // 4], [20 + i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(call, i)
+        assert sorted(results) == list(range(16))
+        assert all(isinstance(r, aionixl.TransferResult) and r.blocks == 1 for r in results.values())
+        assert sorted(i for request in posted for i in request) == sorted(
+            r * BLOCKS + i // 4 for i in range(16) for r in range(REGIONS))
+        for request in posted:
+            assert len(set(request)) == len(request), request  # no destination block twice
+        assert len(posted) == 4, posted
+        for block in range(4):  # the last of its four readers wins: one of their sources
+            assert any(all(np.array_equal(dst_cache[r][block], src_cache[r][20 + 4 * block + k])
+                           for r in range(REGIONS)) for k in range(4))
+
+
 GEOMETRY: dict[str, Any] = {"num_blocks": BLOCKS, "block_shape": (BLOCK_BYTES,),
                             "dtypes": ("uint8",) * REGIONS}
 
