@@ -44,8 +44,8 @@ GOODBYE = RESERVED + b"goodbye\x00"
 FEATURES: frozenset[str] = frozenset({"multi-notify", "push-read", "tagged-notify"})
 
 #: One notification carrying several callers' messages (a coalesced transfer's): the
-#: receiving engine unpacks it and delivers each. Only sent to peers announcing
-#: "multi-notify".
+#: receiving engine unpacks it and delivers each. Engines before "tagged-notify" sent these;
+#: this one still unpacks them, and sends only tagged ones (``pack_tagged``).
 MULTI_NOTIFY = "multi-notify"
 MULTI = RESERVED + b"multi\x00"
 

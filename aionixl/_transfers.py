@@ -43,12 +43,10 @@ from ._errors import (
 from ._metrics import TransferMetrics
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Agent, Indices, Status
 from ._peers import (
-    MULTI_NOTIFY,
     RESERVED,
     TAGGED_NOTIFY,
     Peer,
     PeerTable,
-    pack_notifications,
     pack_tagged,
     progress_quietly,
     user_message,
@@ -350,7 +348,7 @@ class Transfers:
                 gathering = None
                 if batches is not None and not self._owing \
                         and (notify is None or (type(notify) is bytes and not notify.startswith(RESERVED)
-                                                and MULTI_NOTIFY in peer.features)) \
+                                                and TAGGED_NOTIFY in peer.features)) \
                         and (timeout is None or ((type(timeout) is float or type(timeout) is int)
                              and 0 < timeout < _INF)):
                     block = lb if op == "read" else rb
@@ -433,7 +431,9 @@ class Transfers:
                 together = True
                 self._last_caller = _JOINED
             self._last_call = started
-            if together and (not message or MULTI_NOTIFY in peer.features):
+            # Notifications ride along only to peers that drop a repeated tag: a re-post
+            # (``_leave``) must not notify anyone twice.
+            if together and (not message or TAGGED_NOTIFY in peer.features):
                 limit = self._config.transfer_timeout if timeout is None else timeout
                 expires = started + limit
                 entry = (local_idx, remote_idx, nblocks, message, expires)
@@ -602,14 +602,13 @@ class Transfers:
             messages = [e[3] for e in entries if e[3]]
             if not messages:
                 message = b""
-            elif TAGGED_NOTIFY in peer.features:
-                # Tagged, so that a re-post after a member left (this request aborted, its
+            else:
+                # Tagged (calls with notify join only where the peer drops a repeated tag),
+                # so that a re-post after a member left (this request aborted, its
                 # notification perhaps delivered all the same) notifies no one twice.
                 if not batch.tag:
                     batch.tag = next(self._tags)
                 message = pack_tagged(batch.tag, messages)
-            else:
-                message = messages[0] if len(messages) == 1 else pack_notifications(messages)
         try:
             handle, status = agent.start_xfer(batch.op, self.local_dlist, local, peer._dlist, remote,
                                               message, self._inline_polls)

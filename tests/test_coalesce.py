@@ -824,6 +824,68 @@ async def test_a_merged_write_posted_again_after_a_member_left_notifies_the_othe
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
 
+async def test_calls_with_notify_to_a_peer_without_tags_post_alone() -> None:
+    """A peer that unpacks merged notifications but does not drop repeated tags (an engine
+    from before "tagged-notify") could hear a caller twice if a merged request were aborted
+    and posted again. So calls with ``notify`` to it are not merged: here the write carrying
+    ``n-1`` is reported running after it finished, times out and is aborted, and the other
+    two callers' notifications still arrive exactly once."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=37)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=38)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+        peer.features = peer.features - {"tagged-notify"}
+        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
+        agent = dst._transfers.agent
+        assert agent is not None
+        _finish_inside_posts(dst, src)
+        real_start, real_check = agent.start_xfer, agent.check
+        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
+        posts: list[bytes] = []
+
+        def start_xfer(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any,
+                       notify: bytes, polls: int) -> Any:
+            posts.append(notify)
+            handle, state = real_start(op, local, local_idx, remote, remote_idx, notify, polls)
+            assert (handle, state) == (_transfers.NO_HANDLE, _transfers.DONE)
+            if b"n-1" in notify and sum(b"n-1" in p for p in posts) == 1:
+                return stuck, _transfers.PROC  # finished, but the engine is told it runs
+            return handle, state
+
+        def check(handle: int) -> Any:
+            return _transfers.PROC if handle == stuck else real_check(handle)
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        agent.check = check  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+
+        async def write(block: int, timeout: float) -> None:
+            try:
+                outcomes[block] = await dst.transfer_blocks(peer, [block], [block], "write",
+                                                            notify=b"n-%d" % block, timeout=timeout)
+            except aionixl.TransferTimeoutError as exc:
+                outcomes[block] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(write, 1, 0.5)
+                tg.start_soon(write, 3, 15)
+                tg.start_soon(write, 4, 15)
+        assert sorted(posts) == [b"n-1", b"n-3", b"n-4"] and merged(dst) == (0, 0), posts
+        assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
+        assert all(isinstance(outcomes[b], aionixl.TransferResult) for b in (3, 4)), outcomes
+        for block in (3, 4):
+            for region in range(REGIONS):
+                assert np.array_equal(src_cache[region][block], dst_cache[region][block])
+            assert (await src.wait_notification(b"n-%d" % block, timeout=10)).peer == dst.name
+        await anyio.sleep(0.2)
+        for block in (3, 4):
+            with pytest.raises(TimeoutError):
+                await src.wait_notification(b"n-%d" % block, timeout=0.2)
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_notification_tags_of_an_engine_do_not_repeat_after_random_seed() -> None:
     """A receiver drops a tag it has seen from that sender's name; a sender started again
     under the same name after ``random.seed(0)`` (reproducible ML runs do that) must not
