@@ -220,8 +220,14 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
         except TypeError:
             raise ValueError(f"{what} must contain ints only") from None
         except OverflowError:  # an int beyond int64: no such block either way
-            raise ValueError(f"{what} has a block id out of range: there are only "
-                             f"{num_blocks} blocks") from None
+            wild = next((i for i in map(operator.index, value) if not _INT64_MIN <= i <= _INT64_MAX),
+                        None)
+            if wild is None:  # an __index__ that answered differently the second time
+                raise ValueError(f"{what} has a block id out of range") from None
+            if wild < 0:
+                raise ValueError(f"{what} has a negative block id ({wild})") from None
+            raise ValueError(f"{what} has block id {wild}, but there are only {num_blocks} "
+                             f"blocks") from None
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
@@ -234,6 +240,9 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
     if high >= num_blocks:
         raise ValueError(f"{what} has block id {high}, but there are only {num_blocks} blocks")
     return arr.astype(np.int32, copy=False)
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _no_bool(what: str) -> int:

@@ -91,6 +91,18 @@ def test_block_ids_refuse_bad_input(value: Any) -> None:
         block_ids(value, 4, "x")
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    ([3, 2**70], "has block id 1180591620717411303424, but there are only 8 blocks"),
+    ((2**63,), "has block id 9223372036854775808, but there are only 8 blocks"),
+    ([np.uint64(2**63), 1], "has block id 9223372036854775808, but there are only 8 blocks"),
+    ([1, -(2**64)], "has a negative block id (-18446744073709551616)"),
+])
+def test_block_ids_beyond_int64_are_named(value: Any, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        block_ids(value, 8, "local_blocks")
+    assert str(info.value) == "local_blocks " + message
+
+
 def test_plain_ids_turn_tuples_ranges_and_short_integer_arrays_into_lists() -> None:
     for value in ((3, 1), range(2, 5), np.array([7, 0], np.uint16), np.array([5], np.int64)):
         plain = plain_ids(value)
