@@ -647,7 +647,7 @@ class Transfers:
                         raise TransferTimeoutError(
                             f"transfer to {batch.peer.name!r} did not finish within {limit} s; "
                             "it was aborted")
-                    continue  # found finished on the way out
+                    continue  # found ended on the way out
                 try:
                     await self._park(batch.waiters)
                 except BaseException as exc:
@@ -715,9 +715,10 @@ class Transfers:
         Not posted yet: its blocks are taken out. Posted: the request is aborted (as a
         lone transfer would be) and, if other members remain, posted again for them alone,
         so that the leaver's blocks are not moved after it returned and the others are
-        not failed. A request found finished on the way out is reported finished: returns
-        False, and the member stays (a caller told its transfer timed out when its blocks
-        had landed would write, and notify, twice).
+        not failed. A request found ended on the way out (done, or failed as the poller
+        would report it) is reported so: returns False, and the member stays (a caller
+        told its transfer timed out when its blocks had landed would write, and notify,
+        twice).
         """
         if not batch.posted:
             batch.live -= 1
@@ -735,12 +736,22 @@ class Transfers:
         first = agent is not None and self.inflight.get(handle) is batch
         if first:
             assert agent is not None
+            # Found ended: reported as the poller would (a request NIXL gave up on is not
+            # posted again); the leaver then returns that end, or its cancellation.
             try:
-                if agent.check(handle) == DONE:
-                    batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
-                    return False
-            except AionixlError:
-                pass  # the poller reports the failure to the others
+                state = agent.check(handle)
+            except PeerDisconnectedError as exc:
+                self._peers.evict(batch.peer, exc)  # fails this request and the peer's others
+                return False
+            except TransferError as exc:
+                batch.finish(ERR, exc)  # this request failed; the peer may be fine
+                return False
+            if state == DONE:
+                batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
+                return False
+            if state == ERR:
+                self._peers.evict(batch.peer, TransferError("NIXL reported the transfer failed (ERR)"))
+                return False
         batch.live -= 1
         batch.remove(entry)
         if first:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -882,6 +884,68 @@ async def test_calls_with_notify_to_a_peer_without_tags_post_alone() -> None:
         for block in (3, 4):
             with pytest.raises(TimeoutError):
                 await src.wait_notification(b"n-%d" % block, timeout=0.2)
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
+@pytest.mark.parametrize("failure", ["check raises", "ERR"])
+async def test_a_leaver_that_finds_the_merged_request_failed_fails_the_others(failure: str) -> None:
+    """A member leaves (cancelled) a merged write just as NIXL reports the request failed:
+    the others get the failure, as the poller would have given it (the peer evicted on
+    ERR), instead of a re-post of a request NIXL gave up on."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=39)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=40)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
+        agent = dst._transfers.agent
+        assert agent is not None
+        _finish_inside_posts(dst, src)
+        real_start, real_check = agent.start_xfer, agent.check
+        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
+        posts: list[int] = []
+
+        def start_xfer(*args: Any) -> Any:
+            posts.append(len(args[2]))
+            handle, state = real_start(*args)
+            return (stuck, _transfers.PROC) if len(posts) == 1 else (handle, state)
+
+        def check(handle: int) -> Any:
+            if handle != stuck:
+                return real_check(handle)
+            if sys._getframe(1).f_code.co_name != "_leave":
+                return _transfers.PROC  # the poller sees it running
+            if failure == "ERR":
+                return _transfers.ERR
+            raise aionixl.TransferError("the request failed")
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign, assignment]
+        agent.check = check  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+        leaver = anyio.CancelScope()
+
+        async def write(block: int) -> None:
+            try:
+                with leaver if block == 1 else contextlib.nullcontext():
+                    outcomes[block] = await dst.transfer_blocks(peer, [block], [block], "write")
+            except aionixl.AionixlError as exc:
+                outcomes[block] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for block in (1, 3, 4):
+                    tg.start_soon(write, block)
+                while not posts:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.05)
+                leaver.cancel()
+        assert posts == [3 * REGIONS] and dst.stats()["reposts"] == 0, posts
+        assert 1 not in outcomes  # cancelled: nothing returned
+        expected = aionixl.PeerDisconnectedError if failure == "ERR" else aionixl.TransferError
+        for block in (3, 4):
+            assert type(outcomes[block]) is expected, outcomes
+        assert outcomes[3] is not outcomes[4]
+        assert (peer.name in dst.peers) is (failure != "ERR")
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
