@@ -760,6 +760,79 @@ async def test_members_leaving_together_each_take_their_blocks_out_and_fence_the
 
 
 
+#: A stand-in transfer handle: never NIXL's; release_xfer passes it.
+STAND_IN = -1000
+
+
+async def _gathering_next(src: aionixl.Engine, dst: aionixl.Engine,
+                          peer: aionixl.Peer) -> tuple[Any, Any, Any]:
+    """One call from this task, so that the next calls from others gather; from then on
+    ``dst``'s posts end inside them (``_finish_inside_posts``). Returns its agent and the
+    agent's ``start_xfer`` and ``check`` as they are then, for stand-ins to call."""
+    await dst.transfer_blocks(peer, [2], [2])
+    agent = dst._transfers.agent
+    assert agent is not None
+    _finish_inside_posts(dst, src)
+    return agent, agent.start_xfer, agent.check
+
+
+async def _notify_writes_with_one_post_stuck(src: aionixl.Engine, dst: aionixl.Engine,
+                                              peer: aionixl.Peer) -> tuple[list[bytes], dict[int, object]]:
+    """Writes of blocks 1 (timeout 0.5 s), 3 and 4 (15 s), each with ``notify=b"n-<block>"``,
+    called together. Every post finishes (data and notification) inside it, but the first
+    that carries ``n-1`` is reported running for ever, so that its callers time out or
+    leave. Returns the notifications posted, in order, and each call's result or
+    ``TransferTimeoutError``."""
+    agent, real_start, real_check = await _gathering_next(src, dst, peer)
+    stuck = STAND_IN
+    posts: list[bytes] = []
+
+    def start_xfer(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any,
+                   notify: bytes, polls: int) -> Any:
+        posts.append(notify)
+        handle, state = real_start(op, local, local_idx, remote, remote_idx, notify, polls)
+        assert (handle, state) == (_transfers.NO_HANDLE, _transfers.DONE)
+        if b"n-1" in notify and sum(b"n-1" in p for p in posts) == 1:
+            return stuck, _transfers.PROC
+        return handle, state
+
+    def check(handle: int) -> Any:
+        return _transfers.PROC if handle == stuck else real_check(handle)
+
+    agent.start_xfer = start_xfer  # type: ignore[method-assign]
+    agent.check = check  # type: ignore[method-assign]
+    outcomes: dict[int, object] = {}
+
+    async def write(block: int, timeout: float) -> None:
+        try:
+            outcomes[block] = await dst.transfer_blocks(peer, [block], [block], "write",
+                                                        notify=b"n-%d" % block, timeout=timeout)
+        except aionixl.TransferTimeoutError as exc:
+            outcomes[block] = exc
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write, 1, 0.5)
+            tg.start_soon(write, 3, 15)
+            tg.start_soon(write, 4, 15)
+    assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
+    assert all(isinstance(outcomes[b], aionixl.TransferResult) for b in (3, 4)), outcomes
+    return posts, outcomes
+
+
+async def _heard_once(src: aionixl.Engine, dst: aionixl.Engine, blocks: tuple[int, ...]) -> None:
+    """Each of ``blocks``' notifications reached ``src`` once, nothing is kept unclaimed."""
+    for block in blocks:
+        assert (await src.wait_notification(b"n-%d" % block, timeout=10)).peer == dst.name
+    await anyio.sleep(0.2)
+    assert src.stats()["notifications_kept"] == 0
+    for block in blocks:
+        with pytest.raises(TimeoutError):
+            await src.wait_notification(b"n-%d" % block, timeout=0.2)
+    live = dst.live_resources()
+    assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_a_merged_write_posted_again_after_a_member_left_notifies_the_others_once() -> None:
     """A member leaves a merged write with notifications that NIXL already finished (its
     notification delivered) but the engine still saw running: the request is aborted and
@@ -771,59 +844,13 @@ async def test_a_merged_write_posted_again_after_a_member_left_notifies_the_othe
     config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
         assert "tagged-notify" in peer.features
-        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
-        agent = dst._transfers.agent
-        assert agent is not None
-        # Each post finishes (data and notification) before the engine looks again.
-        _finish_inside_posts(dst, src)
-        real_start, real_check = agent.start_xfer, agent.check
-        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
-        posts: list[bytes] = []
-
-        def start_xfer(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any,
-                       notify: bytes, polls: int) -> Any:
-            posts.append(notify)
-            handle, state = real_start(op, local, local_idx, remote, remote_idx, notify, polls)
-            assert (handle, state) == (_transfers.NO_HANDLE, _transfers.DONE)
-            if len(posts) == 1:  # the merged write: the engine is told it still runs
-                return stuck, _transfers.PROC
-            return handle, state
-
-        def check(handle: int) -> Any:
-            return _transfers.PROC if handle == stuck else real_check(handle)
-
-        agent.start_xfer = start_xfer  # type: ignore[method-assign]
-        agent.check = check  # type: ignore[method-assign]
-        outcomes: dict[int, object] = {}
-
-        async def write(block: int, timeout: float) -> None:
-            try:
-                outcomes[block] = await dst.transfer_blocks(peer, [block], [block], "write",
-                                                            notify=b"n-%d" % block, timeout=timeout)
-            except aionixl.TransferTimeoutError as exc:
-                outcomes[block] = exc
-
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(write, 1, 0.5)
-                tg.start_soon(write, 3, 15)
-                tg.start_soon(write, 4, 15)
+        posts, _ = await _notify_writes_with_one_post_stuck(src, dst, peer)
         assert len(posts) == 2 and merged(dst) == (1, 3) and dst.stats()["reposts"] == 1, posts
-        assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
-        assert all(isinstance(outcomes[b], aionixl.TransferResult) for b in (3, 4)), outcomes
         for block in (3, 4):
             for region in range(REGIONS):
                 assert np.array_equal(src_cache[region][block], dst_cache[region][block])
-            assert (await src.wait_notification(b"n-%d" % block, timeout=10)).peer == dst.name
         # The first post's own notifications, the leaver's included, arrived with it.
-        assert (await src.wait_notification(b"n-1", timeout=10)).peer == dst.name
-        await anyio.sleep(0.2)
-        assert src.stats()["notifications_kept"] == 0
-        for block in (1, 3, 4):
-            with pytest.raises(TimeoutError):
-                await src.wait_notification(b"n-%d" % block, timeout=0.2)
-        live = dst.live_resources()
-        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+        await _heard_once(src, dst, (1, 3, 4))
 
 
 async def test_calls_with_notify_to_a_peer_without_tags_post_alone() -> None:
@@ -837,55 +864,13 @@ async def test_calls_with_notify_to_a_peer_without_tags_post_alone() -> None:
     config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
         peer.features = peer.features - {"tagged-notify"}
-        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
-        agent = dst._transfers.agent
-        assert agent is not None
-        _finish_inside_posts(dst, src)
-        real_start, real_check = agent.start_xfer, agent.check
-        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
-        posts: list[bytes] = []
-
-        def start_xfer(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any,
-                       notify: bytes, polls: int) -> Any:
-            posts.append(notify)
-            handle, state = real_start(op, local, local_idx, remote, remote_idx, notify, polls)
-            assert (handle, state) == (_transfers.NO_HANDLE, _transfers.DONE)
-            if b"n-1" in notify and sum(b"n-1" in p for p in posts) == 1:
-                return stuck, _transfers.PROC  # finished, but the engine is told it runs
-            return handle, state
-
-        def check(handle: int) -> Any:
-            return _transfers.PROC if handle == stuck else real_check(handle)
-
-        agent.start_xfer = start_xfer  # type: ignore[method-assign]
-        agent.check = check  # type: ignore[method-assign]
-        outcomes: dict[int, object] = {}
-
-        async def write(block: int, timeout: float) -> None:
-            try:
-                outcomes[block] = await dst.transfer_blocks(peer, [block], [block], "write",
-                                                            notify=b"n-%d" % block, timeout=timeout)
-            except aionixl.TransferTimeoutError as exc:
-                outcomes[block] = exc
-
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(write, 1, 0.5)
-                tg.start_soon(write, 3, 15)
-                tg.start_soon(write, 4, 15)
+        posts, _ = await _notify_writes_with_one_post_stuck(src, dst, peer)
         assert sorted(posts) == [b"n-1", b"n-3", b"n-4"] and merged(dst) == (0, 0), posts
-        assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
-        assert all(isinstance(outcomes[b], aionixl.TransferResult) for b in (3, 4)), outcomes
         for block in (3, 4):
             for region in range(REGIONS):
                 assert np.array_equal(src_cache[region][block], dst_cache[region][block])
-            assert (await src.wait_notification(b"n-%d" % block, timeout=10)).peer == dst.name
-        await anyio.sleep(0.2)
-        for block in (3, 4):
-            with pytest.raises(TimeoutError):
-                await src.wait_notification(b"n-%d" % block, timeout=0.2)
-        live = dst.live_resources()
-        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+        # The aborted lone write of block 1 had finished: its notification came, once.
+        await _heard_once(src, dst, (1, 3, 4))
 
 
 @pytest.mark.parametrize("failure", ["check raises", "ERR"])
@@ -897,12 +882,8 @@ async def test_a_leaver_that_finds_the_merged_request_failed_fails_the_others(fa
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=40)
     config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
     async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
-        await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
-        agent = dst._transfers.agent
-        assert agent is not None
-        _finish_inside_posts(dst, src)
-        real_start, real_check = agent.start_xfer, agent.check
-        stuck = -1000  # a stand-in handle: never NIXL's; release_xfer passes it
+        agent, real_start, real_check = await _gathering_next(src, dst, peer)
+        stuck = STAND_IN
         posts: list[int] = []
 
         def start_xfer(*args: Any) -> Any:
