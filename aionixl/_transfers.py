@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import secrets
 import time
 import weakref
@@ -143,7 +144,7 @@ class _Batch(_InFlight):
     leaves before the post takes its blocks along.
     """
 
-    __slots__ = ("op", "entries", "blocks", "dests", "live", "handle", "posted",
+    __slots__ = ("op", "entries", "blocks", "dests", "dups", "live", "handle", "posted",
                  "posted_at", "finished_at", "waiters", "tag", "_wake", "_unpark_all")
 
     def __init__(self, peer: Peer, op: Op, wake: Callable[[list[object]], None],
@@ -156,7 +157,11 @@ class _Batch(_InFlight):
         self.op = op
         self.entries: list[_Entry] = []
         self.blocks = 0
-        self.dests: set[int] = set()
+        #: Destination block -> its source block (-1: not one block's, never the same pair).
+        self.dests: dict[int, int] = {}
+        #: Members that joined with the very block pair of another (both reads of remote
+        #: block r into local block b, say): the pair is posted once (``_merged_indices``).
+        self.dups = 0
         self.live = 0  # members still waiting for it
         self.handle = NO_HANDLE
         self.posted = False
@@ -174,10 +179,17 @@ class _Batch(_InFlight):
         self.finished_at = time.perf_counter()
         self._wake(self.waiters)
 
-    def add(self, entry: _Entry, dests: Sequence[int]) -> None:
+    def add(self, entry: _Entry, dests: Sequence[int], source: int = -1) -> None:
+        """Add a member; ``source`` is its one source block, where it moves one."""
         self.entries.append(entry)
         self.blocks += entry[2]
-        self.dests.update(dests)
+        if len(dests) == 1:
+            if dests[0] in self.dests:
+                self.dups += 1  # the same pair as another member's (callers check)
+            else:
+                self.dests[dests[0]] = source
+        else:
+            self.dests.update(dict.fromkeys(dests, -1))
         self.live += 1
         if entry[4] < self.deadline:
             self.deadline = entry[4]
@@ -351,10 +363,15 @@ class Transfers:
                                                 and TAGGED_NOTIFY in peer.features)) \
                         and (timeout is None or ((type(timeout) is float or type(timeout) is int)
                              and 0 < timeout < _INF)):
-                    block = lb if op == "read" else rb
+                    if op == "read":
+                        block, source = lb, rb
+                    else:
+                        block, source = rb, lb
                     gathering = batches[-1]
-                    if gathering.blocks >= self._max_merged or block in gathering.dests:
-                        gathering = _with_room(batches, block, self._max_merged)
+                    # Room, and its block not written by another member from elsewhere.
+                    if gathering.blocks >= self._max_merged \
+                            or gathering.dests.get(block, source) != source:
+                        gathering = _with_room(batches, block, source, self._max_merged)
                 if gathering is not None and local_idx is not None and remote_idx is not None:
                     # The commonest call under load, joining a merged request that is
                     # gathering: _Batch.add and _member, inline (no frame of their own).
@@ -367,7 +384,10 @@ class Transfers:
                     entry: _Entry = (local_idx, remote_idx, 1, message, expires)
                     gathering.entries.append(entry)
                     gathering.blocks += 1
-                    gathering.dests.add(block)
+                    if block in gathering.dests:
+                        gathering.dups += 1  # the same pair as another member's
+                    else:
+                        gathering.dests[block] = source
                     gathering.live += 1
                     if expires < gathering.deadline:
                         gathering.deadline = expires
@@ -437,16 +457,23 @@ class Transfers:
                 limit = self._config.transfer_timeout if timeout is None else timeout
                 expires = started + limit
                 entry = (local_idx, remote_idx, nblocks, message, expires)
-                dest = local_blocks if op == "read" else remote_blocks
-                # A one-block list is read at once, never kept.
-                dests = dest if nblocks == 1 and type(dest) is list else _destinations(dest)
+                dest, src = (local_blocks, remote_blocks) if op == "read" else (remote_blocks, local_blocks)
+                source = -1
+                dests: Sequence[int]
+                if nblocks == 1 and type(dest) is list and type(dest[0]) is int:
+                    dests = dest  # a one-block list is read at once, never kept
+                    if type(src) is list and type(src[0]) is int:
+                        source = src[0]
+                else:
+                    dests = _destinations(dest)
                 if batches is not None:
                     for gathering in reversed(batches[-_GATHERING_TRIED:]):
                         if gathering.blocks + nblocks <= self._max_merged \
-                                and gathering.dests.isdisjoint(dests):
-                            gathering.add(entry, dests)
+                                and (gathering.dests.get(dests[0], source) == source if source >= 0
+                                     else gathering.dests.keys().isdisjoint(dests)):
+                            gathering.add(entry, dests, source)
                             return await self._member(gathering, entry, started, limit)
-                return await self._gather(peer, op, entry, dests, started, limit)
+                return await self._gather(peer, op, entry, dests, source, started, limit)
         agent = self.agent
         assert agent is not None
         try:
@@ -503,11 +530,11 @@ class Transfers:
 
     # ---- coalescing ---------------------------------------------------------------------
 
-    async def _gather(self, peer: Peer, op: Op, entry: _Entry, dests: Sequence[int],
+    async def _gather(self, peer: Peer, op: Op, entry: _Entry, dests: Sequence[int], source: int,
                       started: float, limit: float) -> TransferResult:
         """Open a merged request, let the callers arriving with us join, post it."""
         batch = _Batch(peer, op, self._wake_members, self._unpark_all)
-        batch.add(entry, dests)
+        batch.add(entry, dests, source)
         key = (peer, op)
         batches = self._gathering.get(key)
         if batches is None:
@@ -595,7 +622,8 @@ class Transfers:
             if len(entries) == 1:
                 local, remote = entries[0][0], entries[0][1]
             else:
-                local, remote = _merged_indices(entries, batch.blocks, self._offsets, peer._offsets)
+                local, remote = _merged_indices(entries, batch.blocks, self._offsets, peer._offsets,
+                                                batch.dups > 0)
                 if first:
                     self.merged_requests += 1
                     self.merged_calls += len(entries)
@@ -979,32 +1007,35 @@ def _unbound_unpark_all(waiters: list[object], limit: int = 0, /) -> int:
     raise RuntimeError("Transfers.bind_loop was not called")
 
 
-def _with_room(batches: list[_Batch], block: int, most: int) -> _Batch | None:
+def _with_room(batches: list[_Batch], block: int, source: int, most: int) -> _Batch | None:
     """The newest of the last few merged requests gathering (``batches[-1]`` excepted, the
-    caller tried it) with room for one more block that does not yet write ``block``."""
+    caller tried it) with room for one more block, where no other member writes ``block``
+    from another source than ``source``."""
     for batch in reversed(batches[-_GATHERING_TRIED:-1]):
-        if batch.blocks < most and block not in batch.dests:
+        if batch.blocks < most and batch.dests.get(block, source) == source:
             return batch
     return None
 
 
 def _destinations(blocks: Sequence[int] | IndexArray) -> Sequence[int]:
-    if isinstance(blocks, list):
-        return blocks
+    """Validated ids as plain ints (keys that equal and hash as the same blocks do)."""
     if isinstance(blocks, np.ndarray):
         return blocks.ravel().tolist()
-    return [int(b) for b in blocks]
+    return [b if type(b) is int else operator.index(b) for b in blocks]
 
 
 def _merged_indices(entries: list[_Entry], blocks: int, local_offsets: IndexArray,
-                    remote_offsets: IndexArray) -> tuple[IndexArray, IndexArray]:
+                    remote_offsets: IndexArray, dups: bool = False) -> tuple[IndexArray, IndexArray]:
     """The members' descriptor indices as one request, ordered by local descriptor.
 
     Each caller's own indices are region-major, but side by side the callers interleave
     regions; in local order, blocks that are adjacent on both sides become neighbours,
     and NIXL merges such runs into one descriptor (64 one-block reads of adjacent blocks
     cost about a third as much to post). The order within one request changes nothing
-    else: no two members share a destination block.
+    else: no two members write one destination block from different sources.
+
+    ``dups``: some members move the very block pair of another; each pair goes in once
+    (what lands is the same bytes either way).
 
     ``blocks`` is the members' total: when it equals their number, every member moves one
     block, whose id is its first descriptor index (region 0 starts at 0), and the request
@@ -1014,9 +1045,13 @@ def _merged_indices(entries: list[_Entry], blocks: int, local_offsets: IndexArra
     if blocks == len(entries):
         local_ids = np.array([e[0][0] for e in entries], np.int32)
         remote_ids = np.array([e[1][0] for e in entries], np.int32)
-        order = np.argsort(local_ids, kind="stable")
-        return (descriptor_indices(local_offsets, local_ids[order]),
-                descriptor_indices(remote_offsets, remote_ids[order]))
+        if dups:
+            local_ids, remote_ids = _distinct_pairs(local_ids, remote_ids)
+        else:
+            order = np.argsort(local_ids, kind="stable")
+            local_ids, remote_ids = local_ids[order], remote_ids[order]
+        return (descriptor_indices(local_offsets, local_ids),
+                descriptor_indices(remote_offsets, remote_ids))
     local: list[int] = []
     remote: list[int] = []
     for entry in entries:
@@ -1030,8 +1065,19 @@ def _merged_indices(entries: list[_Entry], blocks: int, local_offsets: IndexArra
     else:
         local_array = np.array(local, dtype=np.int32)
         remote_array = np.array(remote, dtype=np.int32)
+    if dups:
+        return _distinct_pairs(local_array, remote_array)
     order = np.argsort(local_array, kind="stable")
     return local_array[order], remote_array[order]
+
+
+def _distinct_pairs(local: IndexArray, remote: IndexArray) -> tuple[IndexArray, IndexArray]:
+    """Each (local, remote) pair once, ordered by local, then remote."""
+    order = np.lexsort((remote, local))
+    local, remote = local[order], remote[order]
+    keep = np.ones(local.size, bool)
+    keep[1:] = (local[1:] != local[:-1]) | (remote[1:] != remote[:-1])
+    return local[keep], remote[keep]
 
 
 def _one_block_indices(cache: dict[int, list[int]], block: int, num_blocks: int,

@@ -140,8 +140,9 @@ async def timed(harness: str, transfer: Any, peer: Any, width: int, blocks: int,
     rounds = max(1, transfers // width)
     if width == 1:
         t = time.perf_counter()
+        one = 3 % blocks
         for _ in range(rounds):
-            await transfer(peer, [3], [3])
+            await transfer(peer, [one], [one])
         return time.perf_counter() - t, rounds
     if harness == "loop":
         return await released(transfer, peer, width, blocks, rounds), rounds * width

@@ -87,6 +87,137 @@ def test_merged_indices_pair_each_members_descriptors_in_local_order(seed: int) 
     assert (local.tolist(), remote.tolist()) == _in_local_order(entries)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_merged_indices_carry_each_repeated_pair_once(seed: int) -> None:
+    """Members that move the very block pair of another (``dups``): each (local, remote)
+    descriptor pair goes in once, ordered by local then remote; pairs that differ only on
+    one side (one local block written to two remote ones) both stay."""
+    rng = np.random.default_rng(seed)
+    local_offsets, remote_offsets = region_offsets(REGIONS, 16), region_offsets(REGIONS, 24)
+    local_list, remote_list = local_offsets.ravel().tolist(), remote_offsets.ravel().tolist()
+    pairs = [(int(rng.integers(0, 16)), int(rng.integers(0, 24))) for _ in range(12)]
+    members = [pairs[int(i)] for i in rng.integers(0, len(pairs), 60)]
+    entries: list[Any] = [(small_indices([a], 16, local_list), small_indices([b], 24, remote_list),
+                           1, b"", 1.0) for a, b in members]
+    want = sorted({(r * 16 + a, r * 24 + b) for a, b in members for r in range(REGIONS)})
+    local, remote = _transfers._merged_indices(entries, len(entries), local_offsets, remote_offsets,
+                                               True)
+    assert list(zip(local.tolist(), remote.tolist(), strict=True)) == want
+    # With a member of several blocks (the joined-lists way): the same pairs, and its own.
+    entries.append((small_indices([3, 4], 16, local_list), small_indices([20, 21], 24, remote_list),
+                    2, b"", 1.0))
+    local, remote = _transfers._merged_indices(entries, len(entries) + 1, local_offsets,
+                                               remote_offsets, True)
+    more = {(r * 16 + a, r * 24 + b) for a, b in ((3, 20), (4, 21)) for r in range(REGIONS)}
+    assert list(zip(local.tolist(), remote.tolist(), strict=True)) == sorted(set(want) | more)
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_callers_moving_the_same_block_pair_ride_once(op: str) -> None:
+    """Twelve callers move the same pair (block 5 -> block 9, or back), four others their
+    own blocks, each with a notification: one request carries the pair once; every caller
+    gets its result and its notification exactly once; the bytes are the source's. A
+    caller writing block 9 from another source (block 6) is not merged with them."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=41)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=42)
+    src_before, dst_before = [r.copy() for r in src_cache], [r.copy() for r in dst_cache]
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+        await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
+        posted = posted_requests(dst, "local" if op == "read" else "remote")
+        results: dict[int, Any] = {}
+        # (local, remote): reads move remote -> local, writes local -> remote.
+        calls = [(9, 5) if op == "read" else (5, 9)] * 12 + [(20 + i, 30 + i) for i in range(4)]
+        other = (9, 6) if op == "read" else (6, 9)  # the same destination, another source
+
+        async def call(i: int, pair: tuple[int, int]) -> None:
+            results[i] = await dst.transfer_blocks(peer, [pair[0]], [pair[1]], op,
+                                                   notify=b"c-%d" % i)
+
+        async with anyio.create_task_group() as tg:
+            for i, pair in enumerate(calls):
+                tg.start_soon(call, i, pair)
+        assert sorted(results) == list(range(len(calls)))
+        assert all(r.blocks == 1 and r.nbytes == BLOCK_BYTES * REGIONS for r in results.values())
+        assert len(posted) == 1, posted  # all together, the pair once
+        assert sorted(posted[0]) == sorted({r * BLOCKS + b for b in (9, 20, 21, 22, 23)
+                                            for r in range(REGIONS)} if op == "read" else
+                                           {r * BLOCKS + b for b in (9, 30, 31, 32, 33)
+                                            for r in range(REGIONS)})
+        assert merged(dst) == (1, len(calls))
+        for i in range(len(calls)):
+            assert (await src.wait_notification(b"c-%d" % i, timeout=10)).peer == dst.name
+        for local_block, remote_block in set(calls):
+            for r in range(REGIONS):
+                if op == "read":
+                    assert np.array_equal(dst_cache[r][local_block], src_before[r][remote_block])
+                else:
+                    assert np.array_equal(src_cache[r][remote_block], dst_before[r][local_block])
+        # Another source for the same destination: never in one request with the pair.
+        del posted[:]
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, 100 + i, calls[0])
+            tg.start_soon(call, 200, other)
+        for request in posted:
+            dest = {r * BLOCKS + 9 for r in range(REGIONS)}
+            assert len([d for d in request if d in dest]) <= REGIONS, request
+        assert len(posted) >= 2
+        for i in (100, 101, 102, 200):
+            assert (await src.wait_notification(b"c-%d" % i, timeout=10)).peer == dst.name
+        await anyio.sleep(0.2)
+        assert src.stats()["notifications_kept"] == 0  # each arrived once, and was taken
+        for i in range(len(calls)):
+            with pytest.raises(TimeoutError):
+                await src.wait_notification(b"c-%d" % i, timeout=0.05)
+    assert zero_resources(dst) and zero_resources(src)
+
+
+async def test_a_caller_of_a_repeated_pair_that_times_out_leaves_the_others_their_blocks() -> None:
+    """Three callers read the same pair; their request finishes but is reported running,
+    and the one with a 0.3 s timeout leaves: the request is aborted, the leaver's blocks
+    fenced, and the pair posted again, once, for the two others (the leaver's entry goes,
+    theirs stay), who get their results and the bytes."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=43)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=44)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+        agent, real_start, real_check = await _gathering_next(src, dst, peer)
+        posts: list[list[int]] = []
+
+        def start_xfer(*args: Any) -> Any:
+            posts.append([int(i) for i in args[2]])
+            handle, state = real_start(*args)
+            return (STAND_IN, _transfers.PROC) if len(posts) == 1 else (handle, state)
+
+        def check(handle: int) -> Any:
+            return _transfers.PROC if handle == STAND_IN else real_check(handle)
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign, assignment]
+        agent.check = check  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+
+        async def read(i: int, timeout: float) -> None:
+            try:
+                outcomes[i] = await dst.transfer_blocks(peer, [9], [5], timeout=timeout)
+            except aionixl.TransferTimeoutError as exc:
+                outcomes[i] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read, 0, 15)
+                tg.start_soon(read, 1, 0.3)
+                tg.start_soon(read, 2, 15)
+        pair = [9, BLOCKS + 9]
+        assert posts[0] == pair and posts[-1] == pair and len(posts) <= 3, posts  # (a fence between)
+        assert dst.stats()["reposts"] == 1 and merged(dst) == (1, 3)
+        assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
+        assert all(isinstance(outcomes[i], aionixl.TransferResult) for i in (0, 2)), outcomes
+        for r in range(REGIONS):
+            assert np.array_equal(dst_cache[r][9], src_cache[r][5])
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
 async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=1)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=2)
