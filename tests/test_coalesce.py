@@ -489,6 +489,31 @@ async def test_callers_sharing_destination_blocks_fill_few_requests() -> None:
                            for r in range(REGIONS)) for k in range(4))
 
 
+class _Index:
+    """An id that is an integer only through ``__index__`` (equal and hashed as itself)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+async def test_writers_of_one_block_given_as_index_objects_are_never_merged() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
+    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+        await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
+        posted = posted_requests(dst, "remote")
+        async with anyio.create_task_group() as tg:
+            for i in range(4):  # remote block 7 from four local blocks, ids as objects
+                tg.start_soon(dst.transfer_blocks, peer, [_Index(i)], [_Index(7)], "write")
+        block7 = {7, BLOCKS + 7}
+        assert len(posted) == 4, posted
+        for request in posted:
+            assert len([i for i in request if i in block7]) <= REGIONS, request
+
+
 GEOMETRY: dict[str, Any] = {"num_blocks": BLOCKS, "block_shape": (BLOCK_BYTES,),
                             "dtypes": ("uint8",) * REGIONS}
 
