@@ -686,6 +686,8 @@ class Transfers:
                     self._returning -= 1
             self._retire(batch)
             error = batch.error
+            if error is not None or batch.status != DONE:
+                await self._fence_failed(batch, entry)
             if error is not None:
                 # A fresh error per caller: several callers share one failure.
                 raise type(error)(str(error)) from error.__cause__
@@ -728,14 +730,24 @@ class Transfers:
         part is taken out and the caller raises ``exc``."""
         if self._keep_result(batch, exc):
             return True
-        if batch.status == PROC:
-            if await self._leave(batch, entry):
-                # It left: whatever the request does now (posted again for the others, it
-                # may finish before we look) carries none of its blocks.
-                return False
-        else:
-            self._retire(batch)
-        return self._keep_result(batch, exc)
+        if batch.status == PROC and await self._leave(batch, entry):
+            # It left: whatever the request does now (posted again for the others, it
+            # may finish before we look) carries none of its blocks.
+            return False
+        # Ended, before it ran or as it left: release the request if no member has yet (a
+        # lone member found it failed: no one else would, and the poller skips ended ones).
+        self._retire(batch)
+        if self._keep_result(batch, exc):
+            return True
+        await self._fence_failed(batch, entry)
+        return False
+
+    async def _fence_failed(self, batch: _Batch, entry: _Entry) -> None:
+        """A merged read NIXL failed while its peer stays connected may still be writing,
+        as a lone read that failed may: fence the member's blocks before it returns."""
+        if batch.op == "read" and batch.status == ERR and batch.peer._connected \
+                and self.push is not None:
+            await self.push.fence_get(batch.peer, entry[0], entry[1])
 
     async def _leave(self, batch: _Batch, entry: _Entry) -> bool:
         """A member gives up (timeout, cancelled) before its merged request finished.

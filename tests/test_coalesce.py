@@ -1029,11 +1029,14 @@ async def test_calls_with_notify_to_a_peer_without_tags_post_alone() -> None:
         await _heard_once(src, dst, (1, 3, 4))
 
 
+@pytest.mark.parametrize("others", [(3, 4), ()], ids=["with others", "alone"])
 @pytest.mark.parametrize("failure", ["check raises", "ERR"])
-async def test_a_leaver_that_finds_the_merged_request_failed_fails_the_others(failure: str) -> None:
+async def test_a_leaver_that_finds_the_merged_request_failed_fails_the_others(
+        failure: str, others: tuple[int, ...]) -> None:
     """A member leaves (cancelled) a merged write just as NIXL reports the request failed:
     the others get the failure, as the poller would have given it (the peer evicted on
-    ERR), instead of a re-post of a request NIXL gave up on."""
+    ERR), instead of a re-post of a request NIXL gave up on. Alone (it gathered and no one
+    joined), it still releases the request: the poller skips ended ones."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=39)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=40)
     config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
@@ -1070,19 +1073,71 @@ async def test_a_leaver_that_finds_the_merged_request_failed_fails_the_others(fa
 
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
-                for block in (1, 3, 4):
+                for block in (1, *others):
                     tg.start_soon(write, block)
                 while not posts:
                     await anyio.sleep(0.01)
                 await anyio.sleep(0.05)
                 leaver.cancel()
-        assert posts == [3 * REGIONS] and dst.stats()["reposts"] == 0, posts
+        assert posts == [(1 + len(others)) * REGIONS] and dst.stats()["reposts"] == 0, posts
         assert 1 not in outcomes  # cancelled: nothing returned
         expected = aionixl.PeerDisconnectedError if failure == "ERR" else aionixl.TransferError
-        for block in (3, 4):
+        for block in others:
             assert type(outcomes[block]) is expected, outcomes
-        assert outcomes[3] is not outcomes[4]
+        assert len({id(outcomes[block]) for block in others}) == len(others)
+        assert STAND_IN not in dst._transfers.inflight
         assert (peer.name in dst.peers) is (failure != "ERR")
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
+async def test_members_of_a_merged_read_that_failed_fence_before_they_return() -> None:
+    """NIXL fails a merged read (its check raises) while the peer stays connected: the
+    read may still be writing, as a lone read that failed may, so each member fences its
+    blocks (one more one-descriptor read from the peer) before it raises TransferError."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=45)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=46)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+        agent, real_start, real_check = await _gathering_next(src, dst, peer)
+        posts: list[list[int]] = []
+        failing = False
+
+        def start_xfer(*args: Any) -> Any:
+            posts.append([int(i) for i in args[2]])
+            handle, state = real_start(*args)
+            return (STAND_IN, _transfers.PROC) if len(posts) == 1 else (handle, state)
+
+        def check(handle: int) -> Any:
+            if handle != STAND_IN:
+                return real_check(handle)
+            if failing:
+                raise aionixl.TransferError("the request failed")
+            return _transfers.PROC
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign, assignment]
+        agent.check = check  # type: ignore[method-assign]
+        outcomes: dict[int, object] = {}
+
+        async def read(block: int) -> None:
+            try:
+                outcomes[block] = await dst.transfer_blocks(peer, [block], [block])
+            except aionixl.AionixlError as exc:
+                outcomes[block] = exc
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for block in (1, 3, 4):
+                    tg.start_soon(read, block)
+                while not posts:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.05)
+                failing = True
+        assert all(type(outcomes[b]) is aionixl.TransferError for b in (1, 3, 4)), outcomes
+        assert posts[0] == sorted(r * BLOCKS + b for b in (1, 3, 4) for r in range(REGIONS))
+        assert sorted(posts[1:]) == [[1], [3], [4]], posts  # a fence per member, its first block
+        assert peer.name in dst.peers and dst.stats()["reposts"] == 0
+        assert STAND_IN not in dst._transfers.inflight
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
