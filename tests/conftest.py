@@ -54,16 +54,16 @@ def zero_resources(engine: aionixl.Engine) -> bool:
     return all(v == 0 for v in engine.live_resources().values())
 
 
-def thread_names() -> list[str]:
-    """This process's OS threads by name, sorted (a thread gone mid-read is skipped)."""
-    names = []
+def threads() -> dict[int, str]:
+    """This process's OS threads, id -> name (a thread gone mid-read is skipped)."""
+    found = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
+                found[int(tid)] = f.read().strip()
         except OSError:
             pass
-    return sorted(names)
+    return found
 
 
 def report_inline_ends_as_running(engine: aionixl.Engine) -> set[int]:

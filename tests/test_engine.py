@@ -25,7 +25,7 @@ from .conftest import (
     engine_pair,
     numpy_cache,
     report_inline_ends_as_running,
-    thread_names,
+    threads,
     unique,
     zero_resources,
 )
@@ -460,7 +460,7 @@ async def test_port_can_be_bound_again_right_after_close() -> None:
 async def test_bind_failure_raises_from_aenter_and_leaks_nothing() -> None:
     async with aionixl.Engine(unique("a"), numpy_cache(2, 64, 1)) as a:
         assert a.address is not None
-        before = thread_names()
+        before = threads()
         with anyio.fail_after(10):
             with pytest.raises(aionixl.ListenError):
                 async with aionixl.Engine(unique("b"), numpy_cache(2, 64, 1), listen=a.address):
@@ -468,13 +468,15 @@ async def test_bind_failure_raises_from_aenter_and_leaks_nothing() -> None:
             with pytest.raises(aionixl.ListenError):
                 async with aionixl.Engine(unique("c"), numpy_cache(2, 64, 1), listen="bogus://x"):
                     pytest.fail("entered an engine with a bogus endpoint")
-        # Counted, not compared by name: a thread of a's may still be starting, nameless, at
-        # the first look. A leaked thread stays; one still exiting or starting settles within
-        # the wait (CI once counted one thread over here, with no names to say whose).
+        # Compared by thread id, not by count or name: threads of others may end meanwhile
+        # (an idle trio worker from an earlier test), and a thread of a's that was still
+        # starting at the first look renames itself later. A leaked thread is a new id that
+        # stays; one still exiting settles within the wait.
         settle = anyio.current_time() + 3
-        while len(now := thread_names()) != len(before) and anyio.current_time() < settle:
+        while (new := {t: n for t, n in threads().items() if t not in before}) \
+                and anyio.current_time() < settle:
             await anyio.sleep(0.05)
-        assert len(now) == len(before), f"threads before: {before}; after: {now}"
+        assert not new, f"threads started by the failed engines and left running: {new}"
 
 
 async def test_no_threads_are_started_and_none_are_left(anyio_backend: str) -> None:
