@@ -7,7 +7,7 @@ import contextlib
 import math
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -177,36 +177,18 @@ async def test_a_caller_of_a_repeated_pair_that_times_out_leaves_the_others_thei
     and the one with a 0.3 s timeout leaves: the request is aborted, the leaver's blocks
     fenced, and the pair posted again, once, for the two others (the leaver's entry goes,
     theirs stay), who get their results and the bytes."""
-    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=43)
-    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=44)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
-        agent, real_start, real_check = await _gathering_next(src, dst, peer)
-        posts: list[list[int]] = []
-
-        def start_xfer(*args: Any) -> Any:
-            posts.append([int(i) for i in args[2]])
-            handle, state = real_start(*args)
-            return (STAND_IN, _transfers.PROC) if len(posts) == 1 else (handle, state)
+    async with _first_post_reported_running(seed=43) as (src_cache, dst_cache, dst, peer, posts):
+        agent = dst._transfers.agent
+        assert agent is not None
+        real_check = agent.check
 
         def check(handle: int) -> Any:
             return _transfers.PROC if handle == STAND_IN else real_check(handle)
 
-        agent.start_xfer = start_xfer  # type: ignore[method-assign, assignment]
         agent.check = check  # type: ignore[method-assign]
-        outcomes: dict[int, object] = {}
-
-        async def read(i: int, timeout: float) -> None:
-            try:
-                outcomes[i] = await dst.transfer_blocks(peer, [9], [5], timeout=timeout)
-            except aionixl.TransferTimeoutError as exc:
-                outcomes[i] = exc
-
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(read, 0, 15)
-                tg.start_soon(read, 1, 0.3)
-                tg.start_soon(read, 2, 15)
+        outcomes = await _together(lambda i, timeout: dst.transfer_blocks(peer, [9], [5],
+                                                                            timeout=timeout),
+                                   {0: 15, 1: 0.3, 2: 15})
         pair = [9, BLOCKS + 9]
         assert posts[0] == pair and posts[-1] == pair and len(posts) <= 3, posts  # (a fence between)
         assert dst.stats()["reposts"] == 1 and merged(dst) == (1, 3)
@@ -932,6 +914,29 @@ async def _gathering_next(src: aionixl.Engine, dst: aionixl.Engine,
     return agent, agent.start_xfer, agent.check
 
 
+@contextlib.asynccontextmanager
+async def _first_post_reported_running(seed: int) -> AsyncIterator[
+        tuple[list[np.ndarray], list[np.ndarray], aionixl.Engine, aionixl.Peer, list[list[int]]]]:
+    """An engine pair (``coalesce_window`` 5 s, no inline polls) whose ``dst`` gathers the
+    next calls; ``dst``'s first post from then on finishes but is reported running (handle
+    ``STAND_IN``, for the test's own ``check`` to answer). Yields the source and destination
+    caches, ``dst``, its peer, and every post's local indices, in order."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=seed)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=seed + 1)
+    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+        agent, real_start, _ = await _gathering_next(src, dst, peer)
+        posts: list[list[int]] = []
+
+        def start_xfer(*args: Any) -> Any:
+            posts.append([int(i) for i in args[2]])
+            handle, state = real_start(*args)
+            return (STAND_IN, _transfers.PROC) if len(posts) == 1 else (handle, state)
+
+        agent.start_xfer = start_xfer  # type: ignore[method-assign]
+        yield src_cache, dst_cache, dst, peer, posts
+
+
 async def _notify_writes_with_one_post_stuck(src: aionixl.Engine, dst: aionixl.Engine,
                                               peer: aionixl.Peer) -> tuple[list[bytes], dict[int, object]]:
     """Writes of blocks 1 (timeout 0.5 s), 3 and 4 (15 s), each with ``notify=b"n-<block>"``,
@@ -957,23 +962,30 @@ async def _notify_writes_with_one_post_stuck(src: aionixl.Engine, dst: aionixl.E
 
     agent.start_xfer = start_xfer  # type: ignore[method-assign]
     agent.check = check  # type: ignore[method-assign]
-    outcomes: dict[int, object] = {}
-
-    async def write(block: int, timeout: float) -> None:
-        try:
-            outcomes[block] = await dst.transfer_blocks(peer, [block], [block], "write",
-                                                        notify=b"n-%d" % block, timeout=timeout)
-        except aionixl.TransferTimeoutError as exc:
-            outcomes[block] = exc
-
-    with anyio.fail_after(20):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(write, 1, 0.5)
-            tg.start_soon(write, 3, 15)
-            tg.start_soon(write, 4, 15)
+    outcomes = await _together(lambda block, timeout: dst.transfer_blocks(
+        peer, [block], [block], "write", notify=b"n-%d" % block, timeout=timeout), {1: 0.5, 3: 15, 4: 15})
     assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
     assert all(isinstance(outcomes[b], aionixl.TransferResult) for b in (3, 4)), outcomes
     return posts, outcomes
+
+
+async def _together(call: Callable[[int, float], Awaitable[aionixl.TransferResult]],
+                    timeouts: dict[int, float]) -> dict[int, object]:
+    """``call(key, timeout)`` for every key at once (started in the dict's order); each
+    key's ``TransferResult`` or ``TransferTimeoutError``."""
+    outcomes: dict[int, object] = {}
+
+    async def one(key: int, timeout: float) -> None:
+        try:
+            outcomes[key] = await call(key, timeout)
+        except aionixl.TransferTimeoutError as exc:
+            outcomes[key] = exc
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for key, timeout in timeouts.items():
+                tg.start_soon(one, key, timeout)
+    return outcomes
 
 
 async def _heard_once(src: aionixl.Engine, dst: aionixl.Engine, blocks: tuple[int, ...]) -> None:
@@ -1095,18 +1107,11 @@ async def test_members_of_a_merged_read_that_failed_fence_before_they_return() -
     """NIXL fails a merged read (its check raises) while the peer stays connected: the
     read may still be writing, as a lone read that failed may, so each member fences its
     blocks (one more one-descriptor read from the peer) before it raises TransferError."""
-    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=45)
-    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=46)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
-        agent, real_start, real_check = await _gathering_next(src, dst, peer)
-        posts: list[list[int]] = []
+    async with _first_post_reported_running(seed=45) as (_, _, dst, peer, posts):
+        agent = dst._transfers.agent
+        assert agent is not None
+        real_check = agent.check
         failing = False
-
-        def start_xfer(*args: Any) -> Any:
-            posts.append([int(i) for i in args[2]])
-            handle, state = real_start(*args)
-            return (STAND_IN, _transfers.PROC) if len(posts) == 1 else (handle, state)
 
         def check(handle: int) -> Any:
             if handle != STAND_IN:
@@ -1115,7 +1120,6 @@ async def test_members_of_a_merged_read_that_failed_fence_before_they_return() -
                 raise aionixl.TransferError("the request failed")
             return _transfers.PROC
 
-        agent.start_xfer = start_xfer  # type: ignore[method-assign, assignment]
         agent.check = check  # type: ignore[method-assign]
         outcomes: dict[int, object] = {}
 
