@@ -73,7 +73,11 @@ def loop_tools() -> LoopTools:
         loop = asyncio.get_running_loop()
         # The running task of this loop, read straight from asyncio's own table.
         current = functools.partial(asyncio.tasks._current_tasks.get, loop)  # type: ignore[attr-defined]
-        new_future = loop.create_future
+        # asyncio's own loops build a plain Future: made here directly, without the Python
+        # frame of BaseEventLoop.create_future (other loops keep their own factory).
+        new_future: Callable[[], asyncio.Future[Any]] = loop.create_future
+        if type(loop).create_future is asyncio.BaseEventLoop.create_future:
+            new_future = functools.partial(asyncio.Future, loop=loop)
 
         def park(waiters: list[Any]) -> Awaitable[None]:
             # One future per sleeper: cancelling a task cancels the future it awaits, and

@@ -221,3 +221,36 @@ async def test_on_trio_the_fast_tools_find_the_internals_they_use() -> None:
     assert run_context is not None
     assert run_context.task is trio.lowlevel.current_task()
     assert _util._trio_sleep(lambda _: trio.lowlevel.Abort.SUCCEEDED) is not None
+
+
+def test_on_an_asyncio_loop_with_its_own_futures_park_uses_them() -> None:
+    """Parking builds asyncio's Future directly only on asyncio's own loops; a loop class
+    with a create_future of its own (uvloop has one) gets its futures from it."""
+    import asyncio
+
+    made: list[asyncio.Future[Any]] = []
+
+    class Loop(asyncio.SelectorEventLoop):
+        def create_future(self) -> asyncio.Future[Any]:
+            future = super().create_future()
+            made.append(future)
+            return future
+
+    async def park_once() -> list[Any]:
+        t = _util.loop_tools()
+        waiters: list[Any] = []
+        sleeper = asyncio.ensure_future(t.park(waiters))
+        while not waiters:
+            await asyncio.sleep(0)
+        assert t.unpark_all(waiters) == 1
+        await sleeper
+        return waiters
+
+    for loop_class, expected in ((Loop, 1), (asyncio.SelectorEventLoop, 0)):
+        made.clear()
+        loop = loop_class()
+        try:
+            assert loop.run_until_complete(park_once()) == []
+        finally:
+            loop.close()
+        assert len(made) == expected
