@@ -371,7 +371,7 @@ class Transfers:
                     # Room, and its block not written by another member from elsewhere.
                     if gathering.blocks >= self._max_merged \
                             or gathering.dests.get(block, source) != source:
-                        gathering = _with_room(batches, block, source, self._max_merged)
+                        gathering = _with_room(batches, (block,), source, 1, self._max_merged)
                 if gathering is not None and local_idx is not None and remote_idx is not None:
                     # The commonest call under load, joining a merged request that is
                     # gathering: _Batch.add and _member, inline (no frame of their own).
@@ -467,12 +467,10 @@ class Transfers:
                 else:
                     dests = _destinations(dest)
                 if batches is not None:
-                    for gathering in reversed(batches[-_GATHERING_TRIED:]):
-                        if gathering.blocks + nblocks <= self._max_merged \
-                                and (gathering.dests.get(dests[0], source) == source if source >= 0
-                                     else gathering.dests.keys().isdisjoint(dests)):
-                            gathering.add(entry, dests, source)
-                            return await self._member(gathering, entry, started, limit)
+                    gathering = _with_room(batches, dests, source, nblocks, self._max_merged)
+                    if gathering is not None:
+                        gathering.add(entry, dests, source)
+                        return await self._member(gathering, entry, started, limit)
                 return await self._gather(peer, op, entry, dests, source, started, limit)
         agent = self.agent
         assert agent is not None
@@ -1019,12 +1017,16 @@ def _unbound_unpark_all(waiters: list[object], limit: int = 0, /) -> int:
     raise RuntimeError("Transfers.bind_loop was not called")
 
 
-def _with_room(batches: list[_Batch], block: int, source: int, most: int) -> _Batch | None:
-    """The newest of the last few merged requests gathering (``batches[-1]`` excepted, the
-    caller tried it) with room for one more block, where no other member writes ``block``
-    from another source than ``source``."""
-    for batch in reversed(batches[-_GATHERING_TRIED:-1]):
-        if batch.blocks < most and batch.dests.get(block, source) == source:
+def _with_room(batches: list[_Batch], dests: Sequence[int], source: int, nblocks: int,
+               most: int) -> _Batch | None:
+    """The newest of the last few merged requests gathering with room for ``nblocks`` more
+    blocks where a caller writing ``dests`` may join: a one-block caller (``source`` >= 0)
+    where no other member writes its block from another source, any other where no member
+    writes any of its blocks."""
+    for batch in reversed(batches[-_GATHERING_TRIED:]):
+        if batch.blocks + nblocks <= most \
+                and (batch.dests.get(dests[0], source) == source if source >= 0
+                     else batch.dests.keys().isdisjoint(dests)):
             return batch
     return None
 
