@@ -9,7 +9,9 @@ agents in this process (DRAM): bare NIXL posts W requests, then polls them all u
   the timing, one release per caller inside);
 - ``wave``: the same, but each caller makes one call (one request, one transfer: a release
   per transfer; the shape of the default bench's "in flight" rows);
-- ``spawn``: a new task per call, created inside the timing.
+- ``spawn``: a new task per call, created inside the timing;
+- ``gather``: the same through the loop's own primitive (``asyncio.gather`` of the calls,
+  or a trio nursery), skipping anyio's task group: the cheapest task per call there is.
 
 Timed from the release (or the first spawn) to the last transfer done. Reports microseconds
 per transfer (medians over repeats, with min and max), the ratio to bare NIXL at the same
@@ -21,12 +23,13 @@ W reads as one NIXL request (the request coalescing builds): NIXL's own cost per
 merged. A coalescing engine costs at least its park floor plus that; the rest of its time
 is its Python per call.
 Usage:
-    .venv/bin/python benchmarks/concurrency.py [--widths 1 64 1024] [--harness loop wave]
+    .venv/bin/python benchmarks/concurrency.py [--widths 1 64 1024] [--harness loop wave spawn gather]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import statistics
 import time
@@ -134,6 +137,26 @@ async def released(transfer: Any, peer: aionixl.Peer, width: int, blocks: int, c
         return time.perf_counter() - t
 
 
+async def gathered(transfer: Any, peer: Any, width: int, blocks: int, rounds: int) -> float:
+    """Seconds for ``rounds`` rounds of ``width`` calls, each call a new task spawned by
+    the running loop's own primitive (asyncio.gather, or a trio nursery)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        import trio
+
+        t = time.perf_counter()
+        for _ in range(rounds):
+            async with trio.open_nursery() as nursery:
+                for i in range(width):
+                    nursery.start_soon(transfer, peer, [i % blocks], [i % blocks])
+        return time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(rounds):
+        await asyncio.gather(*[transfer(peer, [i % blocks], [i % blocks]) for i in range(width)])
+    return time.perf_counter() - t
+
+
 async def timed(harness: str, transfer: Any, peer: Any, width: int, blocks: int,
                 transfers: int) -> tuple[float, int]:
     """One repeat of ``harness`` at ``width``: (seconds, transfers made)."""
@@ -146,6 +169,8 @@ async def timed(harness: str, transfer: Any, peer: Any, width: int, blocks: int,
         return time.perf_counter() - t, rounds
     if harness == "loop":
         return await released(transfer, peer, width, blocks, rounds), rounds * width
+    if harness == "gather":
+        return await gathered(transfer, peer, width, blocks, rounds), rounds * width
     spent = 0.0
     for _ in range(rounds):
         if harness == "wave":
@@ -234,7 +259,8 @@ def main() -> None:
                         "fewer make callers share blocks")
     p.add_argument("--transfers", type=int, default=8192, help="transfers per repeat and width")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--harness", nargs="+", choices=["loop", "wave", "spawn"], default=["loop", "wave"])
+    p.add_argument("--harness", nargs="+", choices=["loop", "wave", "spawn", "gather"],
+                   default=["loop", "wave"])
     p.add_argument("--backends", nargs="+", default=["asyncio", "trio"])
     p.add_argument("--no-baseline-off", action="store_true", help="skip the coalesce=False rows")
     p.add_argument("--no-floor", action="store_true", help="skip the harness-floor rows")
