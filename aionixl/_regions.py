@@ -207,9 +207,8 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
         arr = value
     elif isinstance(value, range):
         # Checked by its ends, not walked: range(2**70) is refused at once.
-        if value and max(value[0], value[-1]) >= num_blocks:
-            raise ValueError(f"{what} has block id {max(value[0], value[-1])}, but there are "
-                             f"only {num_blocks} blocks")
+        if value and (high := max(value[0], value[-1])) >= num_blocks:
+            raise _no_such_block(what, high, num_blocks)
         arr = np.arange(value.start, value.stop, value.step, dtype=np.int64)
     elif isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
         raise ValueError(f"{what} must be a sequence of ints or a 1-D integer numpy array")
@@ -224,10 +223,7 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
                         None)
             if wild is None:  # an __index__ that answered differently the second time
                 raise ValueError(f"{what} has a block id out of range") from None
-            if wild < 0:
-                raise ValueError(f"{what} has a negative block id ({wild})") from None
-            raise ValueError(f"{what} has block id {wild}, but there are only {num_blocks} "
-                             f"blocks") from None
+            raise _no_such_block(what, wild, num_blocks) from None
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
@@ -236,10 +232,17 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
         raise ValueError(f"{what} is empty: nothing to transfer")
     low, high = int(arr.min()), int(arr.max())
     if low < 0:
-        raise ValueError(f"{what} has a negative block id ({low})")
+        raise _no_such_block(what, low, num_blocks)
     if high >= num_blocks:
-        raise ValueError(f"{what} has block id {high}, but there are only {num_blocks} blocks")
+        raise _no_such_block(what, high, num_blocks)
     return arr.astype(np.int32, copy=False)
+
+
+def _no_such_block(what: str, block: int, num_blocks: int) -> ValueError:
+    """The error for an id outside 0..num_blocks-1, said the same way wherever it is found."""
+    if block < 0:
+        return ValueError(f"{what} has a negative block id ({block})")
+    return ValueError(f"{what} has block id {block}, but there are only {num_blocks} blocks")
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
