@@ -656,7 +656,7 @@ class Transfers:
         elif status == DONE:
             batch.finish(DONE)
         else:
-            self._peers.evict(peer, TransferError("NIXL reported the transfer failed (ERR)"))
+            self._peers.evict(peer, _failed_in_nixl())
 
     async def _member(self, batch: _Batch, entry: _Entry, started: float, limit: float,
                       woken: bool = False) -> TransferResult:
@@ -690,7 +690,7 @@ class Transfers:
                 # A fresh error per caller: several callers share one failure.
                 raise type(error)(str(error)) from error.__cause__
             if batch.status != DONE:
-                raise TransferError("NIXL reported the transfer failed (ERR)")
+                raise _failed_in_nixl()
         except BaseException as exc:
             self.metrics.failed(exc, batch.peer, batch.op, entry[2], started)
             raise
@@ -788,7 +788,7 @@ class Transfers:
                 batch.finish(DONE)  # everyone's blocks, the leaver's too, are in place
                 return False
             if state == ERR:
-                self._peers.evict(batch.peer, TransferError("NIXL reported the transfer failed (ERR)"))
+                self._peers.evict(batch.peer, _failed_in_nixl())
                 return False
         batch.live -= 1
         batch.remove(entry)
@@ -854,7 +854,7 @@ class Transfers:
                 if self.wake_trace is not None:
                     self.wake_trace.append(time.perf_counter_ns() - rec.finished_ns)
             if status != DONE:
-                raise self._peers.evict(peer, TransferError("NIXL reported the transfer failed (ERR)"))
+                raise self._peers.evict(peer, _failed_in_nixl())
         finally:
             # Whoever took the record out of the table (eviction, close) released the handle,
             # and NIXL may since have given the same value to another transfer: release only
@@ -951,7 +951,7 @@ class Transfers:
                     rec.finish(ERR, exc)  # this transfer failed; the peer may be fine
                     continue
                 if status == ERR:
-                    self._peers.evict(rec.peer, TransferError("NIXL reported the transfer failed (ERR)"))
+                    self._peers.evict(rec.peer, _failed_in_nixl())
                 elif status != PROC:
                     rec.finish(status)
             if self.parked:
@@ -1015,6 +1015,11 @@ def _unbound_park(waiters: list[object]) -> Awaitable[None]:
 
 def _unbound_unpark_all(waiters: list[object], limit: int = 0, /) -> int:
     raise RuntimeError("Transfers.bind_loop was not called")
+
+
+def _failed_in_nixl() -> TransferError:
+    """A fresh error for a request whose state NIXL reported as ERR."""
+    return TransferError("NIXL reported the transfer failed (ERR)")
 
 
 def _with_room(batches: list[_Batch], dests: Sequence[int], source: int, nblocks: int,
