@@ -15,21 +15,26 @@ import anyio
 
 from ._config import EngineConfig
 from ._errors import AionixlError
+from ._inflight import InFlightTable
+from ._lifecycle import LocalSide
 from ._notifications import Mailbox, Notification
-from ._peers import MULTI, RESERVED, TAGGED, PeerTable, SeenTags, unpack_notifications, unpack_tagged
+from ._peers import PeerTable
+from ._push import Pusher
 from ._ratelimit import RateLimitedLog
-from ._transfers import Transfers
+from ._wire import MULTI, RESERVED, TAGGED, SeenTags, unpack_notifications, unpack_tagged
 
 
 class NotificationDrainer:
     """One task per engine; :meth:`wake` ends its current back-off sleep."""
 
-    def __init__(self, config: EngineConfig, mailbox: Mailbox, peers: PeerTable,
-                 transfers: Transfers, noisy: RateLimitedLog) -> None:
+    def __init__(self, local: LocalSide, config: EngineConfig, mailbox: Mailbox, peers: PeerTable,
+                 table: InFlightTable, push: Pusher, noisy: RateLimitedLog) -> None:
+        self._local = local
         self._config = config
         self._mailbox = mailbox
         self._peers = peers
-        self._transfers = transfers
+        self._table = table
+        self._push = push
         self._noisy = noisy
         self._wakeup = anyio.Event()
         self._seen_tags = SeenTags()
@@ -37,48 +42,53 @@ class NotificationDrainer:
     def wake(self) -> None:
         self._wakeup.set()
 
+    def poll_once(self) -> list[Notification]:
+        """One NIXL progress call: the engine's own messages are handled here (push reads,
+        probes, goodbyes; packed ones unpacked, repeated tags dropped); returns the
+        notifications meant for callers, in arrival order."""
+        agent = self._local.agent
+        assert agent is not None
+        try:
+            notifs = agent.get_notifs()
+        except AionixlError as exc:
+            self._noisy.log(logging.WARNING, "notifs", "reading notifications failed: %s", exc)
+            return []
+        notes: list[Notification] = []
+        for peer_name, messages in notifs.items():
+            for message in messages:
+                if not message.startswith(RESERVED):
+                    notes.append(Notification(peer_name, message))
+                elif message.startswith(MULTI):
+                    notes += [Notification(peer_name, m) for m in unpack_notifications(message)]
+                elif message.startswith(TAGGED):
+                    tagged = unpack_tagged(message)  # a tag seen before: delivered already
+                    if tagged is not None and self._seen_tags.first(peer_name, tagged[0]):
+                        notes += [Notification(peer_name, m) for m in tagged[1]]
+                elif not self._push.heard(peer_name, message):  # a push-read message handled
+                    self._peers.heard(peer_name, message)  # a probe or a goodbye
+        return notes
+
     async def run(self) -> None:
         """Cadence: every loop turn while transfers are in flight or notifications arrive,
         then backing off (doubling) to ``notification_poll_interval`` while someone waits,
         or to ``idle_poll_interval`` when nobody does; with no peers and no waiters it
         sleeps until woken. Any activity (a transfer, a handshake, a new waiter) resets it.
         """
-        agent = self._peers.agent
-        assert agent is not None
-        mailbox, peers, transfers = self._mailbox, self._peers, self._transfers
+        mailbox, peers, table, push = self._mailbox, self._peers, self._table, self._push
         busy_cap = self._config.notification_poll_interval
         idle_cap = self._config.idle_poll_interval
         probe_every = self._config.peer_probe_interval
         next_probe = anyio.current_time() + probe_every
-        push = peers.push
         interval = 0.0
         while True:
-            try:
-                notifs = agent.get_notifs()
-            except AionixlError as exc:
-                self._noisy.log(logging.WARNING, "notifs", "reading notifications failed: %s", exc)
-                notifs = {}
-            delivered = False
-            for peer_name, messages in notifs.items():
-                for message in messages:
-                    if not message.startswith(RESERVED):
-                        unpacked = [message]
-                    elif message.startswith(MULTI):
-                        unpacked = unpack_notifications(message)
-                    elif message.startswith(TAGGED):
-                        tagged = unpack_tagged(message)  # a tag seen before: delivered already
-                        unpacked = tagged[1] if tagged is not None \
-                            and self._seen_tags.first(peer_name, tagged[0]) else []
-                    else:
-                        peers.heard(peer_name, message)
-                        continue
-                    for one in unpacked:
-                        mailbox.deliver(Notification(peer_name, one))
-                        delivered = True
+            notes = self.poll_once()
+            for note in notes:
+                mailbox.deliver(note)
+            delivered = bool(notes)
             if peers and anyio.current_time() >= next_probe:
                 peers.probe()
                 next_probe = anyio.current_time() + probe_every
-            if delivered or transfers.inflight or (push is not None and push.active):
+            if delivered or table.records or push.active:
                 interval = 0.0
             elif not peers and not mailbox.waiting:
                 interval = math.inf  # nobody to hear from: sleep until something happens

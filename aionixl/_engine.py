@@ -3,11 +3,12 @@
 Shape: ``async with Engine(...)`` opens a task group in the owner's task. Inside it, one
 background task holds a cancel scope of its own (so ``aclose()`` from any task stops the
 engine without cancelling the owner's body) and, under it, the handshake listener
-(:mod:`._handshake`), the transfer poller (:mod:`._transfers`) and the notification
-drainer (:mod:`._drainer`). Peers live in :mod:`._peers`. This module owns the lifecycle
-and the ordered close: cancel that scope, wake every waiting caller with
-``EngineClosedError``, then release NIXL resources in order (transfer handles, goodbyes,
-peers, the local descriptor list, registrations, the agent), each step bounded by
+(:mod:`._handshake`), the in-flight poller (:mod:`._inflight`), the notification drainer
+(:mod:`._drainer`) and the push server (:mod:`._push`). This module builds the components,
+bottom up, each with what it needs (docs/architecture.md), and owns the lifecycle and the
+ordered close: cancel that scope, wake every waiting caller with ``EngineClosedError``, then
+release NIXL resources in order (push reads, transfer handles, goodbyes, peers, the local
+descriptor list, registrations, the agent), each step bounded by
 ``EngineConfig.close_timeout``. The engine starts no threads.
 """
 
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Coroutine, Mapping, Sequence
+from contextlib import suppress
 from types import TracebackType
 from typing import Any
 
@@ -25,20 +26,29 @@ import anyio.abc
 import anyio.lowlevel
 import zmq
 
-from . import _protocol as proto
+from ._checks import check_timeout, single_leaf
+from ._coalesce import Coalescer
 from ._config import EngineConfig
 from ._drainer import NotificationDrainer
-from ._errors import AionixlError, EngineClosedError, HandshakeError, PeerDisconnectedError
+from ._errors import AionixlError, EngineClosedError, PeerDisconnectedError
 from ._handshake import Handshakes
-from ._metrics import EngineMetrics, snapshot
+from ._hostfacts import host_facts
+from ._inflight import InFlightTable
+from ._lifecycle import CLOSED, CLOSING, DRAINING, NEW, OPEN, Lifecycle, LocalSide
+from ._metrics import EngineMetrics, TransferMetrics
 from ._nixl import Agent
 from ._notifications import Mailbox, Notification
-from ._peers import Peer, PeerTable, user_message
+from ._parking import loop_tools
+from ._peer import Peer
+from ._peers import PeerTable
+from ._post import DirectPath, LoopTurns
 from ._push import Pusher
 from ._ratelimit import RateLimitedLog
 from ._regions import IndexArray, Region, block_descriptors, describe_regions, registration_spans
-from ._transfers import Op, TransferResult, Transfers
-from ._util import CLOSED, CLOSING, DRAINING, NEW, OPEN, check_timeout, single_leaf
+from ._results import Op, TransferResult
+from ._transfers import Transfers
+from ._vllm_connect import VllmConnector
+from ._wire import user_message
 
 log = logging.getLogger("aionixl")
 
@@ -68,38 +78,41 @@ class Engine:
         self._listen = listen
         self._config = config
         self._num_blocks = self._regions[0].num_blocks
-        self._mem_type = self._regions[0].mem_type
-        self._own_metadata = b""  # this agent's NIXL metadata, once registered
-
-        self._state = NEW
-        self._failure: BaseException | None = None
         self._address: str | None = None
-        self._agent: Agent | None = None
-        self._zctx: zmq.Context[zmq.Socket[bytes]] | None = None
+
+        # Shared state every component is built with.
+        life = self._life = Lifecycle(name)
+        local = self._local = LocalSide(name, self._regions)
         self._tg: anyio.abc.TaskGroup | None = None
         self._bg_scope = anyio.CancelScope()
         self._bg_started = False
         self._bg_done = anyio.Event()
         self._close_done = anyio.Event()
-        self._op_scopes: set[anyio.CancelScope] = set()
         self._final_resources: dict[str, int] = {}
         self._leaked_on_close = 0
 
+        # The components, bottom up, each given what it needs (see docs/architecture.md).
         #: Warnings that peers can trigger at will (bad handshakes, failures) go through here.
-        self._noisy = RateLimitedLog(log)
-        self._mailbox = Mailbox(config.max_pending_notifications)
-        self._peers = PeerTable(self, self._noisy, self._wake_drainer)
-        self._transfers = Transfers(self, self._regions, config, self._peers)
-        self._peers.transfers = self._transfers
+        noisy = self._noisy = RateLimitedLog(log)
+        mailbox = self._mailbox = Mailbox(config.max_pending_notifications)
+        host = host_facts()
+        peers = self._peers = PeerTable(local, noisy, read_mode=config.read_mode, host=host,
+                                        on_admit=self._wake_drainer, on_drop=self._peer_dropped)
+        table = self._inflight = InFlightTable(local, peers.evict, self._wake_drainer)
+        metrics = self._transfer_metrics = TransferMetrics(TransferResult, local.bytes_per_block,
+                                                           len(self._regions), noisy)
+        turns = LoopTurns()
+        direct = self._direct = DirectPath(local, life, config, peers, table, metrics, turns)
+        self._coalescer = Coalescer(local, life, config, peers, table, direct, metrics, turns)
+        self._push = Pusher(local, config, peers, table, mailbox, noisy, self._wake_drainer)
+        self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
+        self._vllm = VllmConnector(local, life, peers)
+        self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
+                                    metrics, self._handshakes.connect)
         # The hot path: a call goes straight to the component's coroutine function (the
         # method below documents it and does the same; this skips one Python call).
         self.transfer_blocks = self._transfers.transfer_blocks  # type: ignore[method-assign]
-        self._handshakes = Handshakes(self, self._regions, config, self._peers, self._noisy)
-        # Push reads (_push.py): the peer table dispatches their messages, transfers their reads.
-        self._push = Pusher(config, self._peers, self._transfers, self._mailbox, self._noisy)
-        self._peers.push = self._transfers.push = self._push
-        self._drainer = NotificationDrainer(config, self._mailbox, self._peers, self._transfers,
-                                            self._noisy)
+        self._drainer = NotificationDrainer(local, config, mailbox, peers, table, self._push, noisy)
 
     # ---- properties ---------------------------------------------------------------------
 
@@ -131,15 +144,16 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        return self._state == CLOSED
+        return self._life.state == CLOSED
 
     def live_resources(self) -> dict[str, int]:
         """NIXL resources this engine holds right now (all zero once closed cleanly)."""
-        if self._agent is None:
+        agent = self._local.agent
+        if agent is None:
             return dict(self._final_resources)
-        counts = self._agent.live()
-        counts["in_flight"] = len(self._transfers.inflight) + len(self._push.reads)
-        counts["parked_handles"] = len(self._transfers.parked)
+        counts = agent.live()
+        counts["in_flight"] = len(self._inflight.records) + len(self._push.reads)
+        counts["parked_handles"] = len(self._inflight.parked)
         return counts
 
     def stats(self) -> dict[str, int]:
@@ -151,30 +165,47 @@ class Engine:
             "handshakes_accepted": self._handshakes.accepted,
             "handshakes_rejected": self._handshakes.rejected,
             "peers_evicted": self._peers.evicted,
-            "merged_requests": self._transfers.merged_requests,
-            "merged_calls": self._transfers.merged_calls,
-            "reposts": self._transfers.reposts,
+            "merged_requests": self._coalescer.merged_requests,
+            "merged_calls": self._coalescer.merged_calls,
+            "reposts": self._coalescer.reposts,
             "pushes_served": self._push.served,
             "pushes_refused": self._push.refused,
-            "fence_evictions": self._push.fenced_evictions,
+            "fence_evictions": self._peers.fenced_evictions,
         }
 
     def metrics(self) -> EngineMetrics:
-        """Counters, gauges and latency histograms, copied now (README "Metrics")."""
-        return snapshot(self)
+        """Counters, gauges and latency histograms, copied now (docs/metrics.md)."""
+        peers, mailbox = self._peers, self._mailbox
+        return EngineMetrics(
+            engine=self._name,
+            **self._transfer_metrics.snapshot(),
+            in_flight=self._inflight.callers() + len(self._push.reads),
+            peers=len(peers.by_name),
+            handshakes_accepted=self._handshakes.accepted,
+            handshakes_rejected=self._handshakes.rejected,
+            peers_evicted=peers.evicted,
+            evictions=dict(peers.evictions),
+            notifications_delivered=mailbox.delivered,
+            notifications_dropped=mailbox.dropped,
+            notifications_kept=mailbox.kept,
+            merged_requests=self._coalescer.merged_requests,
+            merged_calls=self._coalescer.merged_calls,
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
-        if self._state != NEW:
+        if self._life.state != NEW:
             raise RuntimeError("an Engine can be entered once")
-        self._state = OPEN
+        self._life.state = OPEN
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
             self._open_nixl()
-            self._transfers.bind_loop()
-            self._zctx = zmq.Context()
+            tools = loop_tools()
+            self._inflight.bind_loop(tools)
+            self._coalescer.bind_loop(tools)
+            self._local.zctx = zmq.Context()
             self._bg_started = True
             await self._tg.start(self._run_background)
         except BaseException as exc:
@@ -192,7 +223,7 @@ class Engine:
         try:
             await self.aclose()
         finally:
-            if self._failure is not None:
+            if self._life.failure is not None:
                 # A background task crashed: the task group reports it to the owner.
                 result = await self._tg.__aexit__(exc_type, exc, tb)
             else:
@@ -209,21 +240,22 @@ class Engine:
         """
         if drain_timeout is not None:
             check_timeout(drain_timeout, "drain_timeout")
-            if self._state in (OPEN, DRAINING) and self._failure is None:
+            if self._life.state in (OPEN, DRAINING) and self._life.failure is None:
                 try:
                     with suppress(EngineClosedError):
                         await self.drain(drain_timeout)
                 finally:
                     await self.aclose()  # closes even when the drain was cancelled
                 return
-        if self._state == NEW:
-            self._state = CLOSED
+        life = self._life
+        if life.state == NEW:
+            life.state = CLOSED
             self._close_done.set()
             return
-        if self._state in (CLOSING, CLOSED):
+        if life.state in (CLOSING, CLOSED):
             await self._close_done.wait()
             return
-        self._state = CLOSING
+        life.state = CLOSING
         with anyio.CancelScope(shield=True):
             await self._close()
 
@@ -245,16 +277,16 @@ class Engine:
                 not all(isinstance(m, (bytes, bytearray, memoryview)) for m in expect):
             raise ValueError("expect must be a sequence of bytes messages")
         expected = [bytes(m) for m in expect]
-        self._state = DRAINING
+        self._life.state = DRAINING
         self._wake_drainer()
-        inflight = self._transfers.inflight
+        inflight = self._inflight.records
         push = self._push
 
         def settled() -> bool:
             expected[:] = [m for m in expected if self._mailbox.take(m, None) is None]
             return not inflight and not push.active and not self._mailbox.waiting and not expected
 
-        with self._operation(), anyio.move_on_after(timeout if math.isfinite(timeout) else None):
+        with self._life.operation(), anyio.move_on_after(timeout if math.isfinite(timeout) else None):
             while not settled():
                 await anyio.sleep(self._config.notification_poll_interval)
         if settled():
@@ -265,13 +297,11 @@ class Engine:
         return False
 
     def _open_nixl(self) -> None:
-        cfg = self._config
-        agent = self._agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread, cfg.nixl_telemetry)
-        agent.register(registration_spans(self._regions), self._mem_type)
-        self._peers.agent = self._transfers.agent = agent
-        self._transfers.local_dlist = agent.prep_dlist(None, block_descriptors(self._regions),
-                                                       self._mem_type)
-        self._own_metadata = agent.metadata()
+        cfg, local = self._config, self._local
+        agent = local.agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread, cfg.nixl_telemetry)
+        agent.register(registration_spans(self._regions), local.mem_type)
+        local.dlist = agent.prep_dlist(None, block_descriptors(self._regions), local.mem_type)
+        local.metadata = agent.metadata()
 
     async def _run_background(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         try:
@@ -279,13 +309,13 @@ class Engine:
                 async with anyio.create_task_group() as tg:
                     if self._listen is not None:
                         self._address = await tg.start(self._handshakes.listen, self._listen)
-                    tg.start_soon(self._transfers.poll)
+                    tg.start_soon(self._inflight.run)
                     tg.start_soon(self._drainer.run)
                     tg.start_soon(self._push.run)
                     task_status.started()
         except BaseException as exc:
-            if self._state in (OPEN, DRAINING) and not isinstance(exc, anyio.get_cancelled_exc_class()):
-                self._failure = exc  # refuse new calls; the owner's exit closes the engine
+            if self._life.state in (OPEN, DRAINING) and not isinstance(exc, anyio.get_cancelled_exc_class()):
+                self._life.failure = exc  # refuse new calls; the owner's exit closes the engine
             raise
         finally:
             self._bg_done.set()
@@ -299,33 +329,33 @@ class Engine:
                 with anyio.move_on_after(self._config.close_timeout):
                     await self._bg_done.wait()
             # Waiting callers learn that the engine closed.
-            for scope in list(self._op_scopes):
-                scope.cancel()
+            self._life.end_operations()
             for waiter in self._mailbox.all_waiters():
                 self._mailbox.remove_waiter(waiter)
                 waiter.event.set()
-            handles = self._transfers.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
+            handles = self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
             self._push.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
-            if self._agent is not None:
+            if self._local.agent is not None:
                 await self._release_nixl(handles, deadline)
         finally:
-            if self._zctx is not None:
-                self._zctx.destroy(linger=0)
-                self._zctx = None
-            self._state = CLOSED
+            if self._local.zctx is not None:
+                self._local.zctx.destroy(linger=0)
+                self._local.zctx = None
+            self._life.state = CLOSED
             self._close_done.set()
 
     async def _release_nixl(self, handles: list[int], deadline: float) -> None:
         """Transfer handles, goodbyes, peers, local descriptors, registrations, agent."""
-        agent = self._agent
+        local = self._local
+        agent = local.agent
         assert agent is not None
         await self._push.close(deadline)  # servers pushing into us stop first (bounded)
-        problems = await self._transfers.close(handles, deadline, self._config.close_grace)
-        await self._peers.say_goodbye(self._own_metadata, deadline)
+        problems = await self._inflight.close(handles, deadline, self._config.close_grace)
+        await self._peers.say_goodbye(deadline)
         self._peers.drop_all(problems)
-        if self._transfers.local_dlist >= 0:
+        if local.dlist >= 0:
             try:
-                agent.release_dlist(self._transfers.local_dlist)
+                agent.release_dlist(local.dlist)
             except AionixlError as exc:
                 problems.append(str(exc))
         try:
@@ -340,35 +370,40 @@ class Engine:
         if problems:
             log.error("engine %r closed with leaks: %s", self._name, "; ".join(problems))
         agent.destroy()
-        self._agent = self._peers.agent = self._transfers.agent = None
+        local.agent = None
 
     def _check_open(self, *, draining_ok: bool = False) -> None:
-        if self._failure is None and (self._state == OPEN or (draining_ok and self._state == DRAINING)):
-            return
-        if self._failure is not None:
-            raise EngineClosedError(f"engine {self._name!r} stopped after an internal error") \
-                from self._failure
-        if self._state == NEW:
-            raise EngineClosedError("engine not started: use 'async with Engine(...)'")
-        if self._state == DRAINING:
-            raise EngineClosedError(f"engine {self._name!r} is draining: it takes no new work")
-        raise EngineClosedError(f"engine {self._name!r} is closed")
-
-    @contextmanager
-    def _operation(self) -> Iterator[None]:
-        """Run a waiting call so that closing the engine ends it with EngineClosedError."""
-        scope = anyio.CancelScope()
-        self._op_scopes.add(scope)
-        try:
-            with scope:
-                yield
-        finally:
-            self._op_scopes.discard(scope)
-        if scope.cancel_called:
-            raise EngineClosedError(f"engine {self._name!r} closed")
+        self._life.check_open(draining_ok=draining_ok)
 
     def _wake_drainer(self) -> None:
         self._drainer.wake()
+
+    def _peer_dropped(self, peer: Peer, error: AionixlError) -> None:
+        """The peer table dropped ``peer``: its transfers and push reads fail with ``error``."""
+        self._inflight.fail_peer(peer, error)
+        self._push.fail_peer(peer, error)
+
+    # ---- hooks for tools that drive NIXL beside the engine ---------------------------------
+
+    def nixl_metadata(self) -> bytes:
+        """This engine's NIXL agent metadata (b"" unless open): for tools that read its
+        registered memory through NIXL directly, with no aionixl handshake (the bench's
+        bare-NIXL and threaded contenders)."""
+        return self._local.metadata if self._local.agent is not None else b""
+
+    def poll_nixl(self) -> list[Notification]:
+        """Make one NIXL progress call now, as the engine's drainer does, and return the
+        notifications that arrived for callers (taken by the caller: they do not reach
+        :meth:`wait_notification`). The engine's own messages are handled as usual. For a
+        process that must keep NIXL progressing every loop turn (a busy serving target)."""
+        self._check_open(draining_ok=True)
+        return self._drainer.poll_once()
+
+    def trace_wakeups(self, trace: list[int] | None) -> None:
+        """From now on append to ``trace``, per transfer the poller saw end, the nanoseconds
+        from that moment to its caller running again (the bench's wake-up latency); None
+        stops it."""
+        self._inflight.wake_trace = trace
 
     # ---- peers --------------------------------------------------------------------------
 
@@ -384,30 +419,15 @@ class Engine:
 
     async def connect_vllm(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                            expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
-        """Connect to a vLLM NixlConnector prefill worker; see :func:`aionixl.vllm.connect`."""
-        from . import vllm
+        """Connect to a vLLM NixlConnector prefill worker and admit its agent as a peer.
 
-        self._check_open()
-        return await vllm.connect(self, address, pp_rank=pp_rank, tp_rank=tp_rank,
-                                  expect_compat_hash=expect_compat_hash, timeout=timeout)
-
-    async def _admit_foreign(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
-                             address: str) -> Peer:
-        """Admit a peer that is not an aionixl engine (checked by the caller); see aionixl.vllm."""
-        self._check_open()
-        try:
-            peer = self._peers.admit(name, metadata, regions, address)
-        except proto.ProtocolError as exc:
-            raise HandshakeError(f"unusable peer metadata from {address}: {exc}") from exc
-        peer._foreign = True
-        assert self._agent is not None
-        try:
-            self._agent.make_connection(peer.name)
-        except AionixlError:
-            self._peers.drop(peer, None)
-            raise
-        await anyio.lowlevel.checkpoint()
-        return peer
+        Idempotent for a live peer at the same address. ``IncompatiblePeerError``
+        (``.field`` says what) when the region count or bytes per block differ, when vLLM's
+        layout has no one-id-per-block form, or when ``expect_compat_hash`` is given and
+        differs; ``HandshakeError`` for no answer or a bad reply (docs/vllm.md).
+        """
+        return await self._vllm.connect(address, pp_rank=pp_rank, tp_rank=tp_rank,
+                                        expect_compat_hash=expect_compat_hash, timeout=timeout)
 
     async def disconnect(self, peer: Peer) -> None:
         """Forget ``peer`` and release its NIXL state.
@@ -419,7 +439,7 @@ class Engine:
         self._check_open(draining_ok=True)
         self._peers.own(peer)
         with anyio.move_on_after(self._config.close_grace):
-            while peer.connected and (self._transfers.busy_with(peer) or self._push.busy_with(peer)):
+            while peer.connected and (self._inflight.busy_with(peer) or self._push.busy_with(peer)):
                 await anyio.sleep(0.001)
         if peer.connected:
             await self._push.stop_peer(peer)  # cancel and confirm what is left (bounded)
@@ -452,9 +472,10 @@ class Engine:
         self._check_open(draining_ok=True)
         p = self._peers.live(peer)
         message = user_message(message, "message")
-        assert self._agent is not None
+        agent = self._local.agent
+        assert agent is not None
         try:
-            self._agent.send_notif(p.name, message)
+            agent.send_notif(p.name, message)
         except PeerDisconnectedError as exc:
             raise self._peers.evict(p, exc) from exc
         self._wake_drainer()
@@ -481,7 +502,7 @@ class Engine:
         waiter = self._mailbox.add_waiter(message, peer_name)
         self._wake_drainer()
         try:
-            with self._operation():
+            with self._life.operation():
                 with anyio.fail_after(timeout):
                     await waiter.event.wait()
         except BaseException as exc:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 import anyio
 import anyio.abc
@@ -20,6 +19,7 @@ import zmq
 
 from . import _protocol as proto
 from . import _zmq
+from ._checks import check_timeout, deadline
 from ._config import EngineConfig
 from ._errors import (
     AionixlError,
@@ -28,14 +28,11 @@ from ._errors import (
     IncompatiblePeerError,
     ListenError,
 )
-from ._peers import FEATURES, Peer, PeerTable
-from ._push import host_facts
+from ._lifecycle import OPEN, Lifecycle, LocalSide
+from ._peer import Peer
+from ._peers import PeerTable
 from ._ratelimit import RateLimitedLog
-from ._regions import Region
-from ._util import OPEN, check_timeout, deadline
-
-if TYPE_CHECKING:
-    from ._engine import Engine
+from ._wire import FEATURES
 
 log = logging.getLogger("aionixl")
 
@@ -51,10 +48,11 @@ _RETRYABLE_REJECTS = frozenset({"internal", "draining"})
 class Handshakes:
     """The listener side and the client side of one engine's handshakes."""
 
-    def __init__(self, engine: Engine, regions: Sequence[Region], config: EngineConfig,
-                 peers: PeerTable, noisy: RateLimitedLog) -> None:
-        self._engine = engine
-        self._regions = regions
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+                 noisy: RateLimitedLog, host: Mapping[str, str], wake_drainer: Callable[[], None]) -> None:
+        self._local = local
+        self._life = life
+        self._regions = regions = local.regions
         self._config = config
         self._peers = peers
         self._noisy = noisy
@@ -66,17 +64,18 @@ class Handshakes:
         self._connect_errors: dict[str, BaseException] = {}
         self.accepted = self.rejected = 0
         #: Where this engine runs, told to peers (see ``_protocol._EngineInfo.host``).
-        self._host: dict[str, str] = host_facts()
+        self._host: dict[str, str] = dict(host)
+        self._wake_drainer = wake_drainer
 
     def _info(self) -> tuple[str, bytes, list[proto.RegionInfo], dict[str, str], str]:
-        return (self._engine.name, self._engine._own_metadata,
+        return (self._local.name, self._local.metadata,
                 [proto.RegionInfo.of(r) for r in self._regions], self._compat, self._compat_hash)
 
     # ---- the listener -------------------------------------------------------------------
 
     async def listen(self, endpoint: str, *, task_status: anyio.abc.TaskStatus[str]) -> None:
         """Answer handshakes on ``endpoint`` until cancelled; reports the bound address."""
-        zctx = self._engine._zctx
+        zctx = self._local.zctx
         assert zctx is not None
         sock: zmq.Socket[bytes] = zctx.socket(zmq.ROUTER)
         try:
@@ -100,7 +99,7 @@ class Handshakes:
                 if not _zmq.try_send_multipart(sock, [frames[0], *proto.seal(proto.encode(reply),
                                                                               self._secret)]):
                     log.debug("handshake reply dropped: the client is gone or not reading")
-                self._engine._wake_drainer()
+                self._wake_drainer()
                 await anyio.lowlevel.checkpoint()
         finally:
             sock.close(linger=0)
@@ -108,13 +107,13 @@ class Handshakes:
     def serve(self, frames: list[bytes]) -> proto.Welcome | proto.Reject:
         """Answer one handshake request. Never raises for bad input: it rejects."""
         version = proto.PROTOCOL_VERSION
-        name = self._engine.name
+        name = self._local.name
         try:
             hello = proto.decode_hello(proto.unseal(frames, self._secret),
                                        self._config.max_handshake_bytes)
             if self._secret is not None:
                 self._replay_guard.check(hello, time.time())
-            if self._engine._state != OPEN:
+            if self._life.state != OPEN:
                 return proto.Reject(version, "draining", f"engine {name!r} takes no new peers")
             if hello.name == name:
                 return proto.Reject(version, "self", f"{proto.clip(hello.name)!r} is this engine's own name")
@@ -138,8 +137,8 @@ class Handshakes:
 
     async def connect(self, address: str, timeout: float) -> Peer:
         """See :meth:`Engine.connect`."""
-        engine = self._engine
-        engine._check_open()
+        life = self._life
+        life.check_open()
         if not isinstance(address, str) or not address:
             raise ValueError("address must be a zmq endpoint string")
         check_timeout(timeout, "timeout")
@@ -154,9 +153,9 @@ class Handshakes:
                     pending = self._connecting.get(address)
                     if pending is None:
                         break
-                    with engine._operation():
+                    with life.operation():
                         await pending.wait()
-                    engine._check_open()
+                    life.check_open()
                     error = self._connect_errors.get(address)
                     if error is not None:
                         if self._config.connect_retries and _retryable(error):
@@ -189,12 +188,12 @@ class Handshakes:
         ``connect_attempt_timeout`` so that the next one can go out on a fresh socket (a
         peer that restarted mid-handshake never answers the first).
         """
-        engine = self._engine
+        life = self._life
         retries = self._config.connect_retries
         pause = self._config.connect_backoff
         for attempt in range(retries + 1):
             last = attempt == retries
-            engine._check_open()  # closed or draining during the last backoff: stop here
+            life.check_open()  # closed or draining during the last backoff: stop here
             try:
                 if last:
                     return await self._handshake(address)
@@ -215,20 +214,20 @@ class Handshakes:
                 failed.append(exc)
                 self._noisy.log(logging.INFO, "connect-retry", "handshake with %s failed (%s); retrying",
                                 address, exc)
-            with engine._operation():  # closing the engine ends the pause with EngineClosedError
+            with life.operation():  # closing the engine ends the pause with EngineClosedError
                 await anyio.sleep(pause)
             pause = min(pause * 2.0, 1.0)
         raise AssertionError("unreachable")
 
     async def _handshake(self, address: str) -> Peer:
-        engine = self._engine
-        agent, ctx = engine._agent, engine._zctx
+        life, name = self._life, self._local.name
+        agent, ctx = self._local.agent, self._local.zctx
         assert agent is not None and ctx is not None
         nonce = proto.new_nonce() if self._secret is not None else b""
         hello = proto.Hello(proto.PROTOCOL_VERSION, *self._info(), nonce, time.time(), sorted(FEATURES),
                             self._host)
         limit = self._config.max_handshake_bytes
-        with engine._operation():
+        with life.operation():
             sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
             try:
                 sock.setsockopt(zmq.LINGER, 0)
@@ -241,7 +240,7 @@ class Handshakes:
                 frames = await _zmq.recv_multipart(sock)
             finally:
                 sock.close(linger=0)
-        engine._check_open()
+        life.check_open()
         try:
             reply = proto.decode_reply(proto.unseal(frames, self._secret, tag_optional=True), limit)
         except proto.ProtocolError as exc:
@@ -258,8 +257,8 @@ class Handshakes:
             raise kind(f"{address} refused the handshake ({code}): {reason}")
         if self._secret is not None and reply.nonce != nonce:
             raise RefusedError(f"{address} sent a signed reply to another handshake (replayed?)")
-        if reply.name == engine.name:
-            raise RefusedError(f"{address} is this engine ({engine.name!r}) itself")
+        if reply.name == name:
+            raise RefusedError(f"{address} is this engine ({name!r}) itself")
         try:
             proto.check_compatible(self._regions, self._compat, reply.regions, reply.compat)
             proto.check_hash(self._compat_hash, reply.compat_hash)

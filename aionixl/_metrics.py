@@ -2,7 +2,7 @@
 
 The transfer path only appends each finished transfer's ``TransferResult`` to a list (no
 other object is created per transfer); those are folded into counters and histograms with
-numpy in bulk. :func:`snapshot` copies everything into frozen dataclasses, which
+numpy in bulk. :meth:`TransferMetrics.snapshot` copies them into frozen dataclasses, which
 is where the cost of reading metrics goes (whoever calls :meth:`Engine.metrics` pays it).
 Failed transfers are counted by outcome and logged, one structured record each, through the
 engine's rate limiter.
@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import numpy as np
@@ -22,9 +22,6 @@ import numpy.typing as npt
 
 from ._errors import EngineClosedError, PeerDisconnectedError, TransferError, TransferTimeoutError
 from ._ratelimit import RateLimitedLog
-
-if TYPE_CHECKING:
-    from ._engine import Engine
 
 OPS = ("read", "write")
 #: How a ``transfer_blocks`` call that reached NIXL ended.
@@ -177,6 +174,19 @@ class TransferMetrics(Generic[Result]):
         return exc
 
 
+    def snapshot(self) -> dict[str, Any]:
+        """The transfer fields of an :class:`EngineMetrics`, copied now (flushes first)."""
+        self.flush()
+        return {
+            "transfers": {op: dict(zip(OUTCOMES, self.outcomes[i], strict=True))
+                          for i, op in enumerate(OPS)},
+            "transferred_bytes": dict(zip(OPS, self.bytes, strict=True)),
+            "transfer_seconds": {op: _histogram(self.seconds[i], self.seconds_sum[i])
+                                 for i, op in enumerate(OPS)},
+            "post_seconds": {op: _histogram(self.post[i], self.post_sum[i]) for i, op in enumerate(OPS)},
+        }
+
+
 def outcome_of(exc: BaseException) -> int:
     """The index in :data:`OUTCOMES` of a transfer that raised ``exc``."""
     if isinstance(exc, TransferTimeoutError):
@@ -268,30 +278,3 @@ class EngineMetrics:
 
 def _histogram(counts: list[int], total: float) -> Histogram:
     return Histogram(LATENCY_BOUNDS, tuple(counts), total)
-
-
-def snapshot(engine: Engine) -> EngineMetrics:
-    """Copy an engine's counters into an :class:`EngineMetrics` (any state, even closed)."""
-    transfers = engine._transfers
-    m = transfers.metrics
-    m.flush()
-    peers = engine._peers
-    mailbox = engine._mailbox
-    return EngineMetrics(
-        engine=engine.name,
-        transfers={op: dict(zip(OUTCOMES, m.outcomes[i], strict=True)) for i, op in enumerate(OPS)},
-        transferred_bytes=dict(zip(OPS, m.bytes, strict=True)),
-        transfer_seconds={op: _histogram(m.seconds[i], m.seconds_sum[i]) for i, op in enumerate(OPS)},
-        post_seconds={op: _histogram(m.post[i], m.post_sum[i]) for i, op in enumerate(OPS)},
-        in_flight=transfers.calls_in_flight(),
-        peers=len(peers.by_name),
-        handshakes_accepted=engine._handshakes.accepted,
-        handshakes_rejected=engine._handshakes.rejected,
-        peers_evicted=peers.evicted,
-        evictions=dict(peers.evictions),
-        notifications_delivered=mailbox.delivered,
-        notifications_dropped=mailbox.dropped,
-        notifications_kept=mailbox.kept,
-        merged_requests=int(getattr(transfers, "merged_requests", 0)),
-        merged_calls=int(getattr(transfers, "merged_calls", 0)),
-    )

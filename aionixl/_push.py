@@ -6,14 +6,14 @@ serving process (SIGABRT in UCX 1.23). A PUT has no such path: its initiator han
 dead target as an ordinary error, and its target survives a dying writer. So where GET is
 not native, a read becomes a request that the serving engine answers with WRITEs.
 
-The exchange, all over reserved NIXL notifications (``_peers.RESERVED``; never delivered
-to callers):
+The exchange, all over reserved NIXL notifications (their formats are in
+:mod:`aionixl._wire`; never delivered to callers):
 
 - reader → server ``PUSH`` + request (id, destination and source block ids, deadline,
   the caller's ``notify``). The server accepts it only from an admitted peer, validates
   every id, bounds the requests one peer may have open, and writes the blocks into the
   reader's memory in chunks of ``push_chunk_bytes``, one NIXL WRITE at a time, each
-  tracked in the transfer component's in-flight table (so close, eviction and drops
+  tracked in the engine's in-flight table (so close, eviction and drops
   release it like any transfer) under the push's deadline.
 - The last chunk carries ``PDONE`` + id. NIXL sends a transfer's notification only once
   the transfer completed, which includes a UCX flush of the endpoint, so the data of this
@@ -31,24 +31,17 @@ to callers):
   writes can no longer reach our memory (best effort against a server stopped mid-chunk
   over UCX tcp: that chunk can still land when it resumes; see the README's known gap).
 
-GET mode gets a fence after an aborted read too (:func:`fence_get`): one more one-block
-READ from the same peer. NIXL ends every transfer with a flush of the UCX endpoint, which
-completes only after every earlier operation on that endpoint did, so once the fence is
-DONE the aborted GET can no longer write; a fence that does not finish within
-``push_cancel_timeout`` evicts the peer instead.
+Where a one-sided GET is native the engine reads with it instead; the choice is
+:func:`aionixl._hostfacts.choose_read_mode`, the GET fence is in :mod:`aionixl._post`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import math
-import os
-import socket
 import time
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Callable
 
 import anyio
 import anyio.abc
@@ -62,138 +55,34 @@ from ._errors import (
     TransferError,
     TransferTimeoutError,
 )
-from ._nixl import DONE, NO_HANDLE, PROC, Indices, Status
+from ._inflight import InFlight, InFlightTable
+from ._lifecycle import LocalSide
+from ._nixl import DONE, NO_HANDLE, PROC, Indices
 from ._notifications import Mailbox, Notification
-from ._peers import RESERVED, Peer, PeerTable
+from ._peer import Peer
+from ._peers import PeerTable
 from ._ratelimit import RateLimitedLog
 from ._regions import IndexArray, descriptor_indices
-from ._transfers import TransferResult, Transfers, _InFlight
-from ._util import DRAINING, OPEN
+from ._results import TransferResult
+from ._wire import (
+    MAX_PUSH_REQUEST,
+    PCANCEL,
+    PDONE,
+    PERR,
+    PGONE,
+    PUSH,
+    PUSH_FAMILY,
+    RESERVED,
+    PushRequest,
+    decode_push_error,
+    decode_push_request,
+    push_error,
+    push_request,
+    rid_bytes,
+    rid_of,
+)
 
 log = logging.getLogger("aionixl")
-
-ReadMode = Literal["get", "push"]
-
-#: The feature a peer announces in its handshake when it serves push requests.
-PUSH_FEATURE = "push-read"
-
-PUSH = RESERVED + b"push\x00"
-PCANCEL = RESERVED + b"pcancel\x00"
-PDONE = RESERVED + b"pdone\x00"
-PERR = RESERVED + b"perr\x00"
-PGONE = RESERVED + b"pgone\x00"
-_FAMILY = (PUSH, PCANCEL, PDONE, PERR, PGONE)
-#: Longest push request the server decodes (ids are 4 bytes each, two lists).
-_MAX_REQUEST = 64 << 20
-
-
-class PushRequest(msgspec.Struct, frozen=True, array_like=True):
-    """What a reader asks of the server: block ids as little-endian int32 arrays."""
-
-    rid: int
-    dst: bytes  # the reader's destination block ids
-    src: bytes  # the server's source block ids
-    timeout: float  # the reader's deadline for the whole read, in seconds
-    notify: bytes = b""  # delivered to the server's mailbox once the data landed
-
-
-class PushError(msgspec.Struct, frozen=True, array_like=True):
-    rid: int
-    reason: str
-
-
-_encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(PushRequest)
-_error_decoder = msgspec.msgpack.Decoder(PushError)
-
-
-def _rid_bytes(rid: int) -> bytes:
-    return rid.to_bytes(8, "little")
-
-
-# ---- where an engine runs, and which read mode a pair of engines uses --------------------
-
-_SHM_TLS = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}
-_RDMA_TLS = {"ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
-             "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5"}
-
-
-def _tls_allows(tls: str, family: set[str], whole: set[str]) -> bool:
-    """Whether a ``UCX_TLS`` value lets UCX use a transport of ``family``.
-
-    Unset or ``all``: yes. A list: yes if it names one of them. An exclusion list (``^``):
-    yes unless it excludes the family by its alias (``whole``) or every member.
-    """
-    text = tls.strip().lower()
-    if not text or text == "all":
-        return True
-    negated = text.startswith("^")
-    items = {t.strip() for t in text.lstrip("^").split(",") if t.strip()}
-    if negated:
-        return not (items & whole) and not family <= items
-    return bool(items & family)
-
-
-def shm_allowed(tls: str) -> bool:
-    return _tls_allows(tls, _SHM_TLS, {"sm", "shm"})
-
-
-def rdma_allowed(tls: str) -> bool:
-    return _tls_allows(tls, _RDMA_TLS, {"ib"})
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def host_facts() -> dict[str, str]:
-    """What this engine tells its peers about where it runs (handshake ``host``).
-
-    ``node``: a digest of the boot id, the host name and the IPC, PID, user and mount
-    namespaces: two engines with the same one can use shared memory (what UCX checks
-    before using its shared-memory transports). ``ucx_tls``: this process's ``UCX_TLS``.
-    ``rdma``: "1" when an RDMA device is present and UCX_TLS allows an RDMA transport.
-    """
-    digest = hashlib.sha256(b"aionixl-node-v1")
-    digest.update(_read("/proc/sys/kernel/random/boot_id").encode())
-    digest.update(socket.gethostname().encode())
-    for ns in ("ipc", "pid", "user", "mnt"):
-        try:
-            digest.update(os.readlink(f"/proc/self/ns/{ns}").encode())
-        except OSError:
-            digest.update(b"?")
-    tls = os.environ.get("UCX_TLS", "")
-    try:
-        rdma_devices = bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        rdma_devices = False
-    return {"node": digest.hexdigest()[:32], "ucx_tls": tls[:200],
-            "rdma": "1" if rdma_devices and rdma_allowed(tls) else "0"}
-
-
-def choose_read_mode(setting: str, features: frozenset[str], ours: Mapping[str, str],
-                     theirs: Mapping[str, str]) -> ReadMode:
-    """GET where the path between the two engines is native, push otherwise.
-
-    Native: the same node with shared memory allowed by both sides' ``UCX_TLS``, or RDMA
-    on both. A peer without the push feature (an older engine) always gets GET; so does
-    everyone under ``read_mode="get"``, and ``"push"`` forces push where the peer can.
-    """
-    if PUSH_FEATURE not in features or setting == "get":
-        return "get"
-    if setting == "push":
-        return "push"
-    node = ours.get("node")
-    if node and node == theirs.get("node") and shm_allowed(ours.get("ucx_tls", "")) \
-            and shm_allowed(theirs.get("ucx_tls", "")):
-        return "get"
-    if ours.get("rdma") == "1" and theirs.get("rdma") == "1":
-        return "get"
-    return "push"
 
 
 # ---- the component ----------------------------------------------------------------------
@@ -240,15 +129,16 @@ class _Job:
 class Pusher:
     """Both sides of push reads for one engine; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, peers: PeerTable, transfers: Transfers,
-                 mailbox: Mailbox, noisy: RateLimitedLog) -> None:
+    def __init__(self, local: LocalSide, config: EngineConfig, peers: PeerTable, table: InFlightTable,
+                 mailbox: Mailbox, noisy: RateLimitedLog, wake_drainer: Callable[[], None]) -> None:
+        self._local = local
         self._config = config
         self._peers = peers
-        self._transfers = transfers
+        self._table = table
         self._mailbox = mailbox
         self._noisy = noisy
+        self._wake_drainer = wake_drainer
         self._ids = itertools.count(1)
-        self.host = host_facts()
         self.reads: dict[int, _Read] = {}  # ours, by request id
         self.jobs: dict[tuple[str, int], _Job] = {}  # served, by (peer name, request id)
         self._per_peer: dict[str, int] = {}
@@ -256,15 +146,11 @@ class Pusher:
         self._closing = False
         self.served = 0  # pushes completed for peers (stats)
         self.refused = 0  # push requests refused (stats)
-        self.fenced_evictions = 0  # peers evicted because an aborted read went unconfirmed
 
     @property
     def active(self) -> bool:
         """Whether the drainer should poll every loop turn for us."""
         return bool(self.reads or self.jobs)
-
-    def mode_for(self, features: frozenset[str], host: Mapping[str, str]) -> ReadMode:
-        return choose_read_mode(self._config.read_mode, features, self.host, host)
 
     def busy_with(self, peer: Peer) -> bool:
         return any(r.peer is peer for r in self.reads.values()) or \
@@ -284,7 +170,7 @@ class Pusher:
     async def read(self, peer: Peer, local_idx: Indices, remote_idx: Indices, nblocks: int,
                    notify: bytes, timeout: float | None) -> TransferResult:
         """Ask ``peer`` to write its blocks into ours; return once they landed."""
-        agent = self._transfers.agent
+        agent = self._local.agent
         assert agent is not None
         limit = self._config.transfer_timeout if timeout is None else timeout
         started = time.perf_counter()
@@ -292,7 +178,7 @@ class Pusher:
         dst = np.asarray(local_idx[:nblocks], dtype="<i4").tobytes()
         src = np.asarray(remote_idx[:nblocks], dtype="<i4").tobytes()
         rid = next(self._ids)
-        request = PUSH + _encoder.encode(PushRequest(rid, dst, src, float(limit), notify))
+        request = push_request(PushRequest(rid, dst, src, float(limit), notify))
         rec = _Read(peer, rid)
         self.reads[rid] = rec
         try:
@@ -303,7 +189,7 @@ class Pusher:
         except BaseException:
             del self.reads[rid]
             raise
-        self._peers.owner._wake_drainer()
+        self._wake_drainer()
         try:
             with anyio.fail_after(limit if math.isfinite(limit) else None):
                 await rec.event.wait()
@@ -323,7 +209,7 @@ class Pusher:
         if rec.state != _DONE:
             error = rec.error or TransferError(f"push read from {peer.name!r} ended without data")
             raise type(error)(str(error)) from error.__cause__
-        nbytes = nblocks * self._transfers._bytes_per_block
+        nbytes = nblocks * self._local.bytes_per_block
         return TransferResult(nblocks, nbytes, time.perf_counter() - started)
 
     async def _fence(self, rec: _Read) -> None:
@@ -331,24 +217,22 @@ class Pusher:
         peer = rec.peer
         if not peer.connected:
             return  # dropped: its connection is closed
-        agent = self._transfers.agent
+        agent = self._local.agent
         assert agent is not None
         try:
-            agent.send_notif(peer.name, PCANCEL + _rid_bytes(rec.rid))
+            agent.send_notif(peer.name, PCANCEL + rid_bytes(rec.rid))
         except AionixlError as exc:
             self._peers.evict(peer, exc)
             return
-        self._peers.owner._wake_drainer()
+        self._wake_drainer()
         with anyio.move_on_after(self._config.push_cancel_timeout):
             while rec.state == _OPEN and not self._closing:
                 await rec.event.wait()
                 if rec.state == _OPEN:
                     rec.event = anyio.Event()
         if rec.state == _OPEN and peer.connected and not self._closing:
-            self.fenced_evictions += 1
-            peer._revive = True
-            self._peers.evict(peer, TransferError(
-                f"a cancelled read was not confirmed stopped within {self._config.push_cancel_timeout} s"))
+            limit = self._config.push_cancel_timeout
+            self._peers.evict_unfenced(peer, f"a cancelled read was not confirmed stopped within {limit} s")
 
     async def stop_peer(self, peer: Peer) -> None:
         """Before disconnecting: cancel our reads from ``peer`` and stop serving it (bounded)."""
@@ -371,7 +255,7 @@ class Pusher:
 
     def heard(self, name: str, message: bytes) -> bool:
         """A reserved notification: True if it was one of ours (and has been handled)."""
-        if not message.startswith(_FAMILY):
+        if not message.startswith(PUSH_FAMILY):
             return False
         if message.startswith(PDONE):
             self._settle(name, message[len(PDONE):], _DONE)
@@ -379,7 +263,7 @@ class Pusher:
             self._settle(name, message[len(PGONE):], _GONE)
         elif message.startswith(PERR):
             try:
-                err = _error_decoder.decode(message[len(PERR):])
+                err = decode_push_error(message[len(PERR):])
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return True
             rec = self.reads.get(err.rid)
@@ -392,13 +276,13 @@ class Pusher:
             self._serve(name, message[len(PUSH):])
         return True
 
-    def _settle(self, name: str, rid_bytes: bytes, state: int) -> None:
-        rec = self.reads.get(int.from_bytes(rid_bytes[:8], "little"))
+    def _settle(self, name: str, payload: bytes, state: int) -> None:
+        rec = self.reads.get(rid_of(payload))
         if rec is not None and rec.peer.name == name:
             rec.settle(state)
 
-    def _cancel(self, name: str, rid_bytes: bytes) -> None:
-        rid = int.from_bytes(rid_bytes[:8], "little")
+    def _cancel(self, name: str, payload: bytes) -> None:
+        rid = rid_of(payload)
         job = self.jobs.get((name, rid))
         if job is not None:
             job.cancelled = True
@@ -406,16 +290,16 @@ class Pusher:
             return
         peer = self._peers.by_name.get(name)
         if peer is not None:  # nothing of it is under way: say so at once
-            self._send(peer, PGONE + _rid_bytes(rid))
+            self._send(peer, PGONE + rid_bytes(rid))
 
     def _refuse(self, peer: Peer, rid: int, reason: str) -> None:
         self.refused += 1
         self._noisy.log(logging.WARNING, "push-refused", "refused a push read from %r: %s",
                         peer.name, reason)
-        self._send(peer, PERR + _encoder.encode(PushError(rid, reason)))
+        self._send(peer, push_error(rid, reason))
 
     def _send(self, peer: Peer, message: bytes) -> None:
-        agent = self._transfers.agent
+        agent = self._local.agent
         if agent is None or not peer.connected:
             return
         try:
@@ -431,10 +315,10 @@ class Pusher:
             self._noisy.log(logging.WARNING, "push-unknown", "push request from %r, which is not "
                             "an admitted peer: ignored", name[:80])
             return
-        if len(payload) > _MAX_REQUEST:
+        if len(payload) > MAX_PUSH_REQUEST:
             return self._refuse(peer, 0, "request too large")
         try:
-            req = _request_decoder.decode(payload)
+            req = decode_push_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(peer, 0, f"malformed push request: {exc}")
         try:
@@ -467,22 +351,22 @@ class Pusher:
             raise ValueError("block id lists are empty, unequal or not int32")
         dst = np.frombuffer(req.dst, dtype="<i4").astype(np.int32)
         src = np.frombuffer(req.src, dtype="<i4").astype(np.int32)
-        own_blocks = self._transfers._num_blocks
+        own_blocks = self._local.num_blocks
         if dst.min() < 0 or dst.max() >= peer.num_blocks:
             raise ValueError(f"destination block id out of range [0, {peer.num_blocks})")
         if src.min() < 0 or src.max() >= own_blocks:
             raise ValueError(f"source block id out of range [0, {own_blocks})")
         if dst.size > 1 and np.unique(dst).size != dst.size:
             raise ValueError("destination names the same block more than once")
-        per_chunk = max(1, self._config.push_chunk_bytes // self._transfers._bytes_per_block)
-        return [(descriptor_indices(self._transfers._offsets, src[i:i + per_chunk]),
+        per_chunk = max(1, self._config.push_chunk_bytes // self._local.bytes_per_block)
+        return [(descriptor_indices(self._local.offsets, src[i:i + per_chunk]),
                  descriptor_indices(peer._offsets, dst[i:i + per_chunk]))
                 for i in range(0, dst.size, per_chunk)]
 
     async def _push(self, job: _Job) -> None:
         """Write a job's chunks one at a time; confirm how it ended."""
-        transfers = self._transfers
-        agent = transfers.agent
+        table = self._table
+        agent = self._local.agent
         assert agent is not None
         peer, rid = job.peer, job.rid
         outcome = "done"
@@ -493,8 +377,8 @@ class Pusher:
                     break
                 last = n == len(job.chunks) - 1
                 try:
-                    handle, status = agent.start_xfer("write", transfers.local_dlist, src, peer._dlist,
-                                                      dst, PDONE + _rid_bytes(rid) if last else b"",
+                    handle, status = agent.start_xfer("write", self._local.dlist, src, peer._dlist,
+                                                      dst, PDONE + rid_bytes(rid) if last else b"",
                                                       self._config.inline_polls)
                 except PeerDisconnectedError as exc:
                     self._peers.evict(peer, exc)
@@ -504,13 +388,10 @@ class Pusher:
                     break
                 if status == DONE and handle == NO_HANDLE:
                     continue
-                rec = _InFlight(peer, transfers._new_event)
+                rec = InFlight(peer, table.new_event)
                 if status != PROC:
-                    transfers.inflight[handle] = rec
                     rec.finish(status, TransferError("NIXL reported the write failed (ERR)"))
-                else:
-                    transfers.inflight[handle] = rec
-                    transfers._poller_wakeup.set()
+                table.add(handle, rec)
                 timed_out = False
                 try:
                     with anyio.move_on_after(max(0.0, job.deadline - anyio.current_time())):
@@ -519,9 +400,8 @@ class Pusher:
                 finally:
                     # Cancelled (the engine is closing): leave the record to close(), which
                     # lets moving transfers finish before it releases them.
-                    if transfers.inflight.get(handle) is rec and (rec.event.is_set() or timed_out):
-                        del transfers.inflight[handle]
-                        transfers._release(agent, handle)
+                    if rec.event.is_set() or timed_out:
+                        table.take(handle, rec)
                 if timed_out:
                     # A chunk stuck past the deadline (cut link): no confirmation; the
                     # reader's own deadline has passed and it evicts us if need be.
@@ -537,11 +417,11 @@ class Pusher:
                 self.served += 1
                 if job.notify:
                     self._mailbox.deliver(Notification(peer.name, job.notify))
-                    self._peers.owner._wake_drainer()
+                    self._wake_drainer()
             elif outcome == "cancelled":
-                self._send(peer, PGONE + _rid_bytes(rid))
+                self._send(peer, PGONE + rid_bytes(rid))
             else:
-                self._send(peer, PERR + _encoder.encode(PushError(rid, outcome)))
+                self._send(peer, push_error(rid, outcome))
         finally:
             self.jobs.pop((peer.name, rid), None)
             left = self._per_peer.get(peer.name, 1) - 1
@@ -574,13 +454,13 @@ class Pusher:
 
         The drainer is gone by now, so this reads notifications itself.
         """
-        agent = self._transfers.agent
+        agent = self._local.agent
         if agent is None:
             return
         open_reads = [r for r in self.reads.values() if r.state == _OPEN and r.peer.connected]
         for rec in open_reads:
             try:
-                agent.send_notif(rec.peer.name, PCANCEL + _rid_bytes(rec.rid))
+                agent.send_notif(rec.peer.name, PCANCEL + rid_bytes(rec.rid))
             except AionixlError:
                 rec.state = _GONE  # its connection is gone: nothing can land
         end = min(deadline_at, anyio.current_time() + self._config.push_cancel_timeout)
@@ -595,47 +475,3 @@ class Pusher:
                         self.heard(name, message)
             await anyio.sleep(0.0005)
         self.reads.clear()
-
-    async def fence_get(self, peer: Peer, local_idx: Indices, remote_idx: Indices) -> None:
-        """After an aborted GET: one more small READ from the same peer, or evict it.
-
-        Its completion includes a flush of the UCX endpoint, which finishes only after every
-        earlier operation on it did: the aborted read can write nothing after that. It
-        reads the first descriptor of the aborted read again (bytes that read was allowed
-        to write). Skipped for a closing engine (its connections close) and a lost peer.
-        """
-        transfers = self._transfers
-        agent = transfers.agent
-        if agent is None or not peer.connected or self._closing \
-                or self._peers.owner._state not in (OPEN, DRAINING):
-            return
-        limit = self._config.push_cancel_timeout
-        ended: list[Status] = []
-        with anyio.CancelScope(shield=True):
-            try:
-                handle, status = agent.start_xfer("read", transfers.local_dlist, [int(local_idx[0])],
-                                                  peer._dlist, [int(remote_idx[0])], b"", 1)
-                if status is not DONE or handle != NO_HANDLE:
-                    await transfers._finish(peer, handle, status, limit, ended)
-            except TransferTimeoutError:
-                self._evict_unfenced(peer, f"an aborted read was not fenced within {limit} s")
-            except AionixlError:
-                # The fence failed. Mostly its peer was evicted with it (its connection is
-                # closed); where not (NIXL failed this one transfer), nothing confirmed the
-                # aborted read: evict, as for a fence that timed out.
-                self._evict_unfenced(peer, "an aborted read's fence failed")
-            except BaseException:
-                # A cancellation the shield does not hold back (asyncio's own Task.cancel(),
-                # which asyncio.timeout and TaskGroup use) cut the fence short: unconfirmed,
-                # like one that timed out. Unless the poller had seen the fence finish (the
-                # cancel landed between that and the task running again): then it confirmed.
-                if ended != [DONE]:
-                    self._evict_unfenced(peer, "an aborted read's fence was cancelled")
-                raise
-
-    def _evict_unfenced(self, peer: Peer, reason: str) -> None:
-        """Close the connection an aborted read may still write over (it can reconnect)."""
-        if peer.connected:
-            self.fenced_evictions += 1
-            peer._revive = True
-            self._peers.evict(peer, TransferError(reason))

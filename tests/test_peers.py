@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aionixl._peers import (
+from aionixl._wire import (
     MULTI,
     PROBE,
     TAGGED,

@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aionixl import _util
+from aionixl import _parking
 
 pytestmark = pytest.mark.anyio
 
@@ -20,14 +20,14 @@ def tools(request: pytest.FixtureRequest, anyio_backend: str,
     if request.param == "public":
         if anyio_backend != "trio":
             pytest.skip("only trio has a fallback")
-        monkeypatch.setattr(_util, "_trio_sleep", lambda abort: None)
-        monkeypatch.setattr(_util, "_trio_run_context", lambda: None)
+        monkeypatch.setattr(_parking, "_trio_sleep", lambda abort: None)
+        monkeypatch.setattr(_parking, "_trio_run_context", lambda: None)
     return str(request.param)
 
 
-def bound(_: str) -> _util.LoopTools:
+def bound(_: str) -> _parking.LoopTools:
     """The tools of the running loop."""
-    return _util.loop_tools()
+    return _parking.loop_tools()
 
 
 async def test_unpark_all_wakes_every_sleeper_once(tools: str) -> None:
@@ -158,7 +158,7 @@ async def test_recancel_on_asyncio_raises_the_same_cancellation_at_the_next_awai
     one with the same message, and ``Task.cancelling()`` counts it once, as before."""
     import asyncio
 
-    tools = _util.loop_tools()
+    tools = _parking.loop_tools()
     assert tools.redelivers_cancel
     seen: list[tuple[str, Any, int]] = []
     parked = asyncio.Event()
@@ -192,7 +192,7 @@ async def test_recancel_on_trio_leaves_the_cancellation_to_trio() -> None:
     """Trio raises an absorbed cancellation again by itself (the scope stays cancelled)."""
     import trio
 
-    tools = _util.loop_tools()
+    tools = _parking.loop_tools()
     assert tools.redelivers_cancel
     seen: list[str] = []
     with trio.CancelScope() as scope:
@@ -217,10 +217,10 @@ async def test_on_trio_the_fast_tools_find_the_internals_they_use() -> None:
     says so out loud."""
     import trio
 
-    run_context = _util._trio_run_context()
+    run_context = _parking._trio_run_context()
     assert run_context is not None
     assert run_context.task is trio.lowlevel.current_task()
-    assert _util._trio_sleep(lambda _: trio.lowlevel.Abort.SUCCEEDED) is not None
+    assert _parking._trio_sleep(lambda _: trio.lowlevel.Abort.SUCCEEDED) is not None
 
 
 def test_on_an_asyncio_loop_with_its_own_futures_park_uses_them() -> None:
@@ -237,7 +237,7 @@ def test_on_an_asyncio_loop_with_its_own_futures_park_uses_them() -> None:
             return future
 
     async def park_once() -> list[Any]:
-        t = _util.loop_tools()
+        t = _parking.loop_tools()
         waiters: list[Any] = []
         sleeper = asyncio.ensure_future(t.park(waiters))
         while not waiters:

@@ -1,20 +1,16 @@
-"""Small helpers the engine's components share: deadlines and argument checks."""
+"""The per-event-loop parking hooks: the cheapest way to sleep and wake on asyncio and trio.
+
+The transfer hot path parks and wakes callers once per transfer; anyio's portable
+primitives cost several times more, so each loop gets its own small set of tools here,
+behind one interface (:class:`LoopTools`).
+"""
 
 from __future__ import annotations
 
 import functools
-import math
 import types
 from collections.abc import Awaitable, Callable, Generator
-from contextlib import AbstractContextManager as ContextManager
 from typing import Any, NamedTuple, Protocol
-
-import anyio
-
-#: Engine states. Only an OPEN engine takes new transfers and peers; a DRAINING one
-#: finishes what it has; CLOSING/CLOSED refuse everything.
-NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "closed"
-
 
 #: ``unpark_all``'s default limit: every sleeper listed.
 ALL = 1 << 62
@@ -140,24 +136,6 @@ def _asyncio_unpark_all(waiters: list[Any], limit: int = ALL) -> int:
                 break
     del waiters[:seen]
     return woken
-
-
-def deadline(seconds: float) -> ContextManager[anyio.CancelScope]:
-    """``fail_after`` for a validated positive limit, where ``math.inf`` means none."""
-    return anyio.fail_after(seconds if math.isfinite(seconds) else None)
-
-
-def check_timeout(value: object, what: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) \
-            or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
-
-
-def single_leaf(exc: BaseException) -> BaseException:
-    """The one exception inside (nested) exception groups, else ``exc`` itself."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _trio_tools(trio: Any) -> LoopTools:

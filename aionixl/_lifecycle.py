@@ -1,0 +1,102 @@
+"""Shared state: where the engine is in its life, and this engine's own side of NIXL.
+
+Components read these instead of the ``Engine``: a component is given the
+:class:`Lifecycle` (may new work start? end a waiting call when the engine closes) and the
+:class:`LocalSide` (the agent, our descriptor list and geometry) through its constructor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import anyio
+import zmq
+
+from ._errors import EngineClosedError
+from ._nixl import Agent
+from ._regions import Region, region_offsets
+
+#: Engine states. Only an OPEN engine takes new transfers and peers; a DRAINING one
+#: finishes what it has; CLOSING/CLOSED refuse everything.
+NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "closed"
+
+
+class Lifecycle:
+    """The engine's state, the failure that stopped it, and the calls to end on close."""
+
+    __slots__ = ("name", "state", "failure", "_op_scopes")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = NEW
+        #: A background task crashed: new calls are refused with this as the cause.
+        self.failure: BaseException | None = None
+        self._op_scopes: set[anyio.CancelScope] = set()
+
+    @property
+    def usable(self) -> bool:
+        """Open and healthy: the hot path's one test before :meth:`check_open`."""
+        return self.state is OPEN and self.failure is None
+
+    def check_open(self, *, draining_ok: bool = False) -> None:
+        """Raise the ``EngineClosedError`` a caller should see, unless new work may start."""
+        if self.failure is None and (self.state == OPEN or (draining_ok and self.state == DRAINING)):
+            return
+        if self.failure is not None:
+            raise EngineClosedError(f"engine {self.name!r} stopped after an internal error") \
+                from self.failure
+        if self.state == NEW:
+            raise EngineClosedError("engine not started: use 'async with Engine(...)'")
+        if self.state == DRAINING:
+            raise EngineClosedError(f"engine {self.name!r} is draining: it takes no new work")
+        raise EngineClosedError(f"engine {self.name!r} is closed")
+
+    @contextmanager
+    def operation(self) -> Iterator[None]:
+        """Run a waiting call so that closing the engine ends it with EngineClosedError."""
+        scope = anyio.CancelScope()
+        self._op_scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._op_scopes.discard(scope)
+        if scope.cancel_called:
+            raise EngineClosedError(f"engine {self.name!r} closed")
+
+    def end_operations(self) -> None:
+        """Closing: every call inside :meth:`operation` ends with EngineClosedError."""
+        for scope in list(self._op_scopes):
+            scope.cancel()
+
+
+class LocalSide:
+    """This engine's own NIXL state and geometry: what every component posts from.
+
+    ``agent`` is None before the engine opens and after it closed; ``dlist`` is the local
+    descriptor list (-1 without one); ``metadata`` the agent's metadata, sent to peers.
+    """
+
+    __slots__ = ("name", "regions", "num_blocks", "mem_type", "offsets", "offset_list",
+                 "bytes_per_block", "agent", "dlist", "metadata", "zctx")
+
+    def __init__(self, name: str, regions: Sequence[Region]) -> None:
+        self.name = name
+        self.regions = tuple(regions)
+        self.num_blocks = regions[0].num_blocks
+        self.mem_type = regions[0].mem_type
+        self.offsets = region_offsets(len(regions), self.num_blocks)
+        self.offset_list: list[int] = self.offsets.ravel().tolist()
+        self.bytes_per_block = sum(r.block_bytes for r in regions)
+        self.agent: Agent | None = None
+        self.dlist = -1
+        self.metadata = b""
+        #: The zmq context handshakes use (created when the engine opens).
+        self.zctx: zmq.Context[zmq.Socket[bytes]] | None = None
+
+    def require_agent(self) -> Agent:
+        agent = self.agent
+        if agent is None:
+            raise EngineClosedError(f"engine {self.name!r} has no NIXL agent (not open)")
+        return agent

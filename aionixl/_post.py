@@ -1,0 +1,143 @@
+"""The direct path: one caller's NIXL request, posted and awaited, and the GET fence.
+
+A lone ``transfer_blocks`` call posts its request and polls it a few times inline (most
+short transfers finish there); one still in flight goes to the in-flight table and the
+caller sleeps until the poller sees it end. A read that ends early (timeout, cancel,
+failure) while its peer stays connected is fenced: over UCX an aborted GET may still be
+writing, so one more small READ from the same peer follows it. NIXL ends every transfer
+with a flush of the UCX endpoint, which completes only after every earlier operation on
+that endpoint did, so once the fence is DONE the aborted GET can no longer write; a fence
+that does not finish within ``push_cancel_timeout`` evicts the peer instead (it can
+reconnect: ``Peer._revive``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import anyio.lowlevel
+
+from ._config import EngineConfig
+from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
+from ._inflight import InFlightTable
+from ._lifecycle import DRAINING, OPEN, Lifecycle, LocalSide
+from ._metrics import TransferMetrics
+from ._nixl import DONE, NO_HANDLE, Indices, Status
+from ._peer import Peer
+from ._peers import PeerTable
+from ._results import Op, TransferResult
+
+#: How long transfer_blocks may finish transfers inline before it yields to the loop: long
+#: while the loop has nothing else to run, short once a yield shows others were waiting
+#: (a yield that takes longer than _CROWDED).
+_SLICE_LONG = 0.002
+_SLICE_SHORT = 0.0001
+_CROWDED = 0.0002
+
+
+class LoopTurns:
+    """When the transfer path last went through the event loop, and how long it may go
+    without (the slice adapts: long while yielding finds the loop idle, so a lone caller
+    pays little; short once other tasks were waiting, so 64 busy callers each get a short
+    turn, not 2 ms)."""
+
+    __slots__ = ("last_yield", "slice")
+
+    def __init__(self) -> None:
+        self.last_yield = 0.0  # perf_counter()
+        self.slice = _SLICE_LONG
+
+    async def take_turn(self, now: float) -> float:
+        """Go through the loop (the slice was used up at ``now``); returns the time after."""
+        # Shielded: the transfer is done; a cancel must not turn it into a failure (a
+        # caller that retried would write, and notify, twice).
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        after = time.perf_counter()
+        self.slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
+        self.last_yield = after
+        return after
+
+
+class DirectPath:
+    """Posts one caller's request and waits for it; fences aborted reads."""
+
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+                 table: InFlightTable, metrics: TransferMetrics[TransferResult], turns: LoopTurns) -> None:
+        self._local = local
+        self._life = life
+        self._config = config
+        self._peers = peers
+        self._table = table
+        self._metrics = metrics
+        self._turns = turns
+        self._inline_polls = config.inline_polls
+
+    async def post(self, peer: Peer, op: Op, local_idx: Indices, remote_idx: Indices, nblocks: int,
+                   message: bytes, timeout: float | None, started: float) -> TransferResult:
+        """Post one request for one caller; return once it is done (or raise, fenced)."""
+        agent = self._local.agent
+        assert agent is not None
+        metrics = self._metrics
+        try:
+            handle, status = agent.start_xfer(op, self._local.dlist, local_idx, peer._dlist,
+                                              remote_idx, message, self._inline_polls)
+        except PeerDisconnectedError as exc:
+            raise metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
+        except AionixlError as exc:
+            metrics.failed(exc, peer, op, nblocks, started)
+            raise
+        posted, tel = agent.posted, agent.telemetry
+        if status is not DONE or handle != NO_HANDLE:
+            limit = self._config.transfer_timeout if timeout is None else timeout
+            try:
+                await self._table.finish(peer, handle, status, limit)
+            except BaseException as exc:
+                metrics.failed(exc, peer, op, nblocks, started)
+                if op == "read" and peer._connected:
+                    await self.fence(peer, local_idx, remote_idx)  # no late bytes
+                raise
+            tel = agent.telemetry
+            seen = now = self._turns.last_yield = time.perf_counter()
+        else:
+            # Finished inline, without a trip through the event loop. A caller looping on
+            # short transfers must still let other tasks run (and be cancellable).
+            seen = now = time.perf_counter()
+            turns = self._turns
+            if now - turns.last_yield > turns.slice:
+                now = await turns.take_turn(now)
+        return metrics.done(op, nblocks, started, posted, seen, now, tel)
+
+    async def fence(self, peer: Peer, local_idx: Indices, remote_idx: Indices) -> None:
+        """After an aborted GET: one more small READ from the same peer, or evict it.
+
+        It reads the first descriptor of the aborted read again (bytes that read was
+        allowed to write). Skipped for a closing engine (its connections close) and a lost
+        peer.
+        """
+        agent = self._local.agent
+        if agent is None or not peer.connected or self._life.state not in (OPEN, DRAINING):
+            return
+        limit = self._config.push_cancel_timeout
+        ended: list[Status] = []
+        with anyio.CancelScope(shield=True):
+            try:
+                handle, status = agent.start_xfer("read", self._local.dlist, [int(local_idx[0])],
+                                                  peer._dlist, [int(remote_idx[0])], b"", 1)
+                if status is not DONE or handle != NO_HANDLE:
+                    await self._table.finish(peer, handle, status, limit, ended)
+            except TransferTimeoutError:
+                self._peers.evict_unfenced(peer, f"an aborted read was not fenced within {limit} s")
+            except AionixlError:
+                # The fence failed. Mostly its peer was evicted with it (its connection is
+                # closed); where not (NIXL failed this one transfer), nothing confirmed the
+                # aborted read: evict, as for a fence that timed out.
+                self._peers.evict_unfenced(peer, "an aborted read's fence failed")
+            except BaseException:
+                # A cancellation the shield does not hold back (asyncio's own Task.cancel(),
+                # which asyncio.timeout and TaskGroup use) cut the fence short: unconfirmed,
+                # like one that timed out. Unless the poller had seen the fence finish (the
+                # cancel landed between that and the task running again): then it confirmed.
+                if ended != [DONE]:
+                    self._peers.evict_unfenced(peer, "an aborted read's fence was cancelled")
+                raise

@@ -1,0 +1,132 @@
+"""The vLLM side-channel client: fetch a NixlConnector prefill's metadata, admit its agent.
+
+Speaks vLLM's handshake from the event loop (a REQ socket driven through its FD, no
+threads, one deadline), decodes vLLM's metadata (:mod:`aionixl._vllm_wire`), checks the
+geometry against this engine's regions and admits the prefill's NIXL agent as a foreign
+peer (no probes, no goodbyes: a vLLM prefill would take them for request notifications).
+The public face is :mod:`aionixl.vllm` and :meth:`Engine.connect_vllm`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import anyio.lowlevel
+import zmq
+
+from . import _protocol as proto
+from . import _zmq
+from ._errors import HandshakeError, IncompatiblePeerError
+from ._lifecycle import Lifecycle, LocalSide
+from ._nixl import metadata_agent_name
+from ._peer import Peer
+from ._peers import PeerTable
+from ._protocol import Incompatible
+from ._vllm_wire import (
+    VllmHandshake,
+    VllmWireError,
+    check_geometry,
+    decode_reply,
+    encode_request,
+    regions,
+)
+
+#: Replies larger than this are refused (vLLM's are ~1-2 KiB plus ~100 bytes per region).
+MAX_REPLY_BYTES = 16 << 20
+
+
+def _endpoint(address: str) -> str:
+    if not isinstance(address, str) or not address:
+        raise ValueError("address must be 'tcp://host:port' or 'host:port'")
+    return address if "://" in address else f"tcp://{address}"
+
+
+async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,
+                         timeout: float = 10.0) -> VllmHandshake:
+    """Ask the vLLM side channel at ``address`` for rank (pp, tp)'s metadata.
+
+    ``HandshakeError`` when nobody answers within ``timeout`` or the reply does not decode.
+    """
+    endpoint = _endpoint(address)
+    request = encode_request(pp_rank, tp_rank)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sock: zmq.Socket[bytes] = ctx.socket(zmq.REQ)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                raise ValueError(f"bad vLLM side-channel address {address!r}: {exc}") from exc
+            with anyio.move_on_after(timeout) as scope:
+                await _zmq.send_multipart(sock, [request])
+                frames = await _zmq.recv_multipart(sock)
+            if scope.cancelled_caught:
+                raise HandshakeError(f"the vLLM side channel at {endpoint} did not answer "
+                                     f"within {timeout} s")
+        finally:
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+    try:
+        return decode_reply(frames, MAX_REPLY_BYTES)
+    except VllmWireError as exc:
+        raise HandshakeError(f"unusable reply from the vLLM side channel at {endpoint}: {exc}") from exc
+
+
+class VllmConnector:
+    """Connects one engine to vLLM prefill workers (see :meth:`Engine.connect_vllm`)."""
+
+    def __init__(self, local: LocalSide, life: Lifecycle, peers: PeerTable) -> None:
+        self._local = local
+        self._life = life
+        self._peers = peers
+
+    async def connect(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
+                      expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
+        """Handshake with a vLLM NixlConnector prefill and admit its agent as a peer.
+
+        Idempotent for a live peer at the same address. ``IncompatiblePeerError`` (``.field``
+        says what) when the region count or bytes per block differ from the engine's, when
+        vLLM's layout has no one-id-per-block form, or when ``expect_compat_hash`` is given
+        and differs from vLLM's compatibility hash; ``HandshakeError`` for no answer or a bad
+        reply.
+        """
+        self._life.check_open()
+        endpoint = _endpoint(address)
+        for peer in list(self._peers.by_name.values()):
+            if peer.address == endpoint and peer.connected:
+                await anyio.lowlevel.checkpoint()
+                return peer
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise ValueError("timeout must be a number > 0")
+        deadline = time.monotonic() + timeout
+        reply = await fetch_metadata(endpoint, pp_rank=pp_rank, tp_rank=tp_rank, timeout=timeout)
+        md = reply.metadata
+        where = f"vLLM engine {md.engine_id!r} at {endpoint}"
+        if expect_compat_hash is not None and reply.compatibility_hash != expect_compat_hash:
+            raise IncompatiblePeerError(
+                f"{where}: compatibility hash {reply.compatibility_hash[:16]}... is not the expected "
+                f"{expect_compat_hash[:16]}...", field="compat_hash")
+        ours = self._local.regions
+        try:
+            theirs = regions(md, ours[0].mem_type)
+            check_geometry(ours, theirs)
+        except Incompatible as exc:
+            raise IncompatiblePeerError(f"{where}: {exc}", field=exc.field) from None
+        except VllmWireError as exc:
+            raise HandshakeError(f"{where}: {exc}") from exc
+        name = metadata_agent_name(md.agent_metadata)
+        if name is None:
+            raise HandshakeError(f"{where}: its NIXL metadata names no readable agent")
+        if time.monotonic() > deadline:
+            raise HandshakeError(f"{where}: the handshake ran past its {timeout} s deadline")
+        self._life.check_open()
+        try:
+            peer = self._peers.admit_foreign(name, md.agent_metadata, theirs, endpoint)
+        except proto.ProtocolError as exc:
+            raise HandshakeError(f"unusable peer metadata from {endpoint}: {exc}") from exc
+        await anyio.lowlevel.checkpoint()
+        return peer
