@@ -12,7 +12,7 @@ import anyio
 import aionixl
 from aionixl.testing import RemoteEngine
 
-from .conftest import numpy_cache
+from .helpers import numpy_cache
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 

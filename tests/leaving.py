@@ -8,7 +8,6 @@ must still run, and a read by this process must return its exact bytes.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,9 +17,10 @@ from typing import Any
 import numpy as np
 
 import aionixl
+from aionixl._lines import decode_line
 from aionixl.testing import RemoteEngine
 
-from .conftest import HERE, unique
+from .helpers import HERE, unique
 
 WAYS = ("aclose", "disconnect", "cancel", "timeout", "kill")
 UCX_NOISE = ("UCX  WARN", "UCX  ERROR", "UCX  FATAL", "Assertion", "Fatal:")
@@ -67,7 +67,8 @@ def run_reader(server: Server, way: str, *, backend: str, seed: int, timeout: fl
     env = {**os.environ, "UCX_TLS": "tcp"}
     run = subprocess.run(argv, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=timeout)
     output = run.stdout + run.stderr
-    reports = [json.loads(line[3:]) for line in run.stdout.splitlines() if line.startswith("@@ ")]
+    # split("\n"), not splitlines(): that also splits at the control prefix's \x1e.
+    reports = [m for m in map(decode_line, run.stdout.split("\n")) if m is not None]
     return Round(way, run.returncode, reports[-1] if reports else {}, ucx_noise(output), output)
 
 

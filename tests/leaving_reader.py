@@ -9,13 +9,13 @@ five ways: ``aclose`` (the engine closes under the read), ``disconnect``, ``canc
 caller's scope is cancelled), ``timeout`` (``transfer_blocks(timeout=...)``) or ``kill``
 (SIGKILL of this process). Where the process lives on, it then overwrites its destination
 blocks, keeps its engine (or a new one) running for a while, and checks that no byte of
-the abandoned read landed afterwards. The last stdout line is a JSON report (``@@ `` first).
+the abandoned read landed afterwards. The last message on stdout is its report
+(a line of :mod:`aionixl._lines`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -27,13 +27,7 @@ import anyio
 import numpy as np
 
 import aionixl
-
-MARK = "@@ "
-
-
-def say(**fields: Any) -> None:
-    sys.stdout.write(MARK + json.dumps(fields) + "\n")
-    sys.stdout.flush()
+from aionixl._lines import write_file
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -75,8 +69,9 @@ async def main(args: argparse.Namespace) -> None:
                 tg.start_soon(read, 120.0)
                 await anyio.sleep(leave_after)
                 if args.way == "kill":
-                    say(event="killing", way="kill", read_mode=peer.read_mode, full_read_s=full,
-                        left_after_s=leave_after, finished_before_leaving=finished)
+                    write_file(sys.stdout, {
+                        "event": "killing", "way": "kill", "read_mode": peer.read_mode, "full_read_s": full,
+                        "left_after_s": leave_after, "finished_before_leaving": finished})
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif args.way == "cancel":
                     tg.cancel_scope.cancel()
@@ -93,7 +88,7 @@ async def main(args: argparse.Namespace) -> None:
         report["late_bytes"] = int(sum(int(np.count_nonzero(r != 0xA5)) for r in cache))
         report["stats"] = engine.stats() if not engine.closed else {}
     report["resources"] = engine.live_resources()
-    say(**report)
+    write_file(sys.stdout, report)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,15 @@ namespace, ``stress/fuzz_listener.py`` runs it as the listener under attack.
 
 The prefill role serves blocks filled from ``--seed`` (``aionixl.testing.make_caches``);
 the decode role starts with zeros and checks every block it reads against that rule.
-Commands come on stdin, one JSON object per line; every line this script means for the
-parent starts with ``@@ `` (NIXL and UCX print to stdout too). Each command gets exactly
-one reply line with ``"reply": <op>``; ``stream`` also sends a ``{"event": "streaming"}``
-line once it is under way. EOF on stdin closes the engine.
+Both ways, messages are lines of :mod:`aionixl._lines` (a JSON object behind its control
+prefix: NIXL and UCX print to stdout too, and a reader skips any other line). Commands come
+on stdin; each gets exactly one reply with ``"reply": <op>``; ``stream`` also sends an
+``{"event": "streaming"}`` message once it is under way. EOF on stdin closes the engine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -26,14 +25,8 @@ import anyio
 import numpy as np
 
 import aionixl
+from aionixl._lines import decode_line, write_file
 from aionixl.testing import make_caches
-
-MARK = "@@ "
-
-
-def say(**fields: Any) -> None:
-    sys.stdout.write(MARK + json.dumps(fields) + "\n")
-    sys.stdout.flush()
 
 
 def seeded(seed: int, blocks: int, block_bytes: int, regions: int) -> list[np.ndarray]:
@@ -113,7 +106,7 @@ class Driver:
                     return {**result, "count": count}
                 count += 1
                 if count == cmd.get("ready_after", 3):
-                    say(event="streaming")
+                    write_file(sys.stdout, {"event": "streaming"})
             return {"ok": True, "count": count}
         if op == "expect":  # the peer now serves blocks from another seed (it restarted)
             a = self.args
@@ -191,7 +184,7 @@ async def main() -> None:
                                   push_cancel_timeout=0.5)
     async with aionixl.Engine(args.name, driver.cache, listen=args.listen, config=config) as engine:
         driver.engine = engine
-        say(event="ready", name=engine.name, address=engine.address)
+        write_file(sys.stdout, {"event": "ready", "name": engine.name, "address": engine.address})
         fd = sys.stdin.fileno()
         buffer = b""
         while True:
@@ -202,14 +195,14 @@ async def main() -> None:
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
-                if not line.strip():
+                cmd = decode_line(line)
+                if cmd is None:
                     continue
-                cmd = json.loads(line)
                 try:
                     reply = await driver.run(cmd)
                 except Exception as exc:
                     reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)[:300]}
-                say(reply=cmd["op"], **reply)
+                write_file(sys.stdout, {"reply": cmd["op"], **reply})
                 if cmd["op"] == "close":
                     return
 

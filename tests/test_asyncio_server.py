@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import aionixl
-from aionixl._pytest_plugin import RemoteEngineFactory
 from aionixl.testing import assert_blocks_equal
+from aionixl.testing._plugin import RemoteEngineFactory
 
-from .conftest import engine_pair, numpy_cache, unique
+from .helpers import engine_pair, numpy_cache, unique
 
 
 @pytest.mark.asyncio

@@ -152,3 +152,27 @@ def test_vllm_contender_needs_with_vllm() -> None:
     proc = _bench("--contenders", "asyncio,vllm", "--quick", "--no-progress", timeout=60)
     assert proc.returncode == 2
     assert "needs --with-vllm" in proc.stderr
+
+
+def test_default_contenders_leave_trio_out_only_when_it_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aionixl._bench import choose_contenders
+
+    assert choose_contenders("asyncio, trio", False) == (["asyncio", "trio"], [])
+    if importlib.util.find_spec("trio") is not None:
+        assert choose_contenders(None, False) == (["bare", "threaded", "memcpy", "asyncio", "trio"], [])
+    monkeypatch.setitem(sys.modules, "trio", None)  # import trio fails, as where it is not installed
+    chosen, notes = choose_contenders(None, True)
+    assert chosen == ["bare", "threaded", "memcpy", "asyncio", "vllm"]
+    assert len(notes) == 1 and "trio is not installed" in notes[0]
+    assert choose_contenders("trio", False) == (["trio"], [])  # asked for by name: refused later
+
+
+def test_children_start_as_modules_of_this_aionixl() -> None:
+    import aionixl
+    from aionixl._bench._child import module_command
+
+    argv, env = module_command("aionixl._bench.contenders.target", "--peers", "1",
+                               env={"PYTHONPATH": os.pathsep.join(["/elsewhere", ""])})
+    assert argv == [sys.executable, "-m", "aionixl._bench.contenders.target", "--peers", "1"]
+    root = str(Path(aionixl.__file__).resolve().parent.parent)
+    assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]

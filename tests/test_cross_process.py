@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import aionixl
-from aionixl._pytest_plugin import RemoteEngineFactory
 from aionixl.testing import RemoteEngine, assert_blocks_equal, assert_no_resources
+from aionixl.testing._plugin import RemoteEngineFactory
 
-from .conftest import HERE, numpy_cache, unique
+from .helpers import HERE, numpy_cache, unique
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ import torch
 
 import aionixl
 
-from .conftest import engine_pair
+from .helpers import engine_pair
 
 pytestmark = [
     pytest.mark.anyio,

@@ -20,7 +20,7 @@ import zmq
 import aionixl
 from aionixl import _zmq
 
-from .conftest import (
+from .helpers import (
     HERE,
     engine_pair,
     numpy_cache,
@@ -241,7 +241,7 @@ async def test_bad_transfer_arguments(case: str, kwargs: dict[str, Any],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     async with engine_pair(numpy_cache(12, 64, 2), numpy_cache(8, 64, 2)) as (_, eng, peer):
         made: list[Any] = []
-        agent = eng._agent
+        agent = eng._local.agent
         assert agent is not None
         real = agent.start_xfer
         monkeypatch.setattr(agent, "start_xfer", lambda *a: made.append(a) or real(*a))
@@ -501,12 +501,12 @@ async def test_background_crash_surfaces_to_the_owner(monkeypatch: pytest.Monkey
     eng = aionixl.Engine(unique("solo"), numpy_cache(2, 64, 1))
     with pytest.raises(BaseExceptionGroup) as info:
         async with eng:
-            assert eng._agent is not None
+            assert eng._local.agent is not None
 
             def broken() -> Any:
                 raise RuntimeError("drainer bug")
 
-            monkeypatch.setattr(eng._agent, "get_notifs", broken)
+            monkeypatch.setattr(eng._local.agent, "get_notifs", broken)
             eng._wake_drainer()
             await anyio.sleep(5)
             pytest.fail("the owner was not told about the crash")
@@ -824,7 +824,7 @@ async def test_a_replayed_signed_hello_is_refused_and_the_peer_stays(
 
 async def test_a_closing_engine_says_goodbye_and_its_peers_drop_it_at_once(
         caplog: pytest.LogCaptureFixture) -> None:
-    from aionixl._peers import goodbye as _goodbye
+    from aionixl._wire import goodbye as _goodbye
 
     config = aionixl.EngineConfig(peer_probe_interval=math.inf)  # no probe to find it out
     async with aionixl.Engine(unique("src"), numpy_cache(seed=1), config=config) as src:
@@ -833,9 +833,9 @@ async def test_a_closing_engine_says_goodbye_and_its_peers_drop_it_at_once(
         async with dst:
             peer = await dst.connect(src.address, timeout=10)
             inbound = src.peers[dst.name]
-            assert dst._agent is not None
+            assert dst._local.agent is not None
             # A goodbye from another incarnation of that name is ignored.
-            dst._agent.send_notif(src.name, _goodbye(b"some other incarnation's metadata"))
+            dst._local.agent.send_notif(src.name, _goodbye(b"some other incarnation's metadata"))
             await dst.send_notification(peer, b"after")
             await src.wait_notification(b"after", timeout=5)
             assert dst.name in src.peers
@@ -958,14 +958,13 @@ async def test_an_eviction_as_a_lone_transfer_ends_leaves_its_result_and_reads_n
     """The poller sees a lone read end and, in the same turn, the peer is evicted (a later
     transfer to it failed): the caller still gets its result, and, with NIXL telemetry on,
     does not read telemetry from the handle the eviction released (NIXL freed that request)."""
-    from aionixl import _transfers
+    from aionixl import _inflight, _nixl
 
     src_cache = numpy_cache(16, 4096, 2, seed=41)
     dst_cache = numpy_cache(16, 4096, 2)
     config = aionixl.EngineConfig(coalesce=False, inline_polls=0, nixl_telemetry=True)
     async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
-        transfers = dst._transfers
-        agent = transfers.agent
+        agent = dst._local.agent
         assert agent is not None
         real_check, real_completed, real_release = agent.check, agent.completed, agent.release_xfer
         ended = report_inline_ends_as_running(dst)  # the read must end through the poller
@@ -980,19 +979,19 @@ async def test_an_eviction_as_a_lone_transfer_ends_leaves_its_result_and_reads_n
             completed.append(handle not in released)
             real_completed(handle, status)
 
-        monkeypatch.setattr(agent, "check", lambda h: _transfers.DONE if h in ended else real_check(h))
+        monkeypatch.setattr(agent, "check", lambda h: _nixl.DONE if h in ended else real_check(h))
         monkeypatch.setattr(agent, "completed", completed_spy)
         monkeypatch.setattr(agent, "release_xfer", release_spy)
-        real_finish = _transfers._InFlight.finish
+        real_finish = _inflight.InFlight.finish
         evicted: list[int] = []
 
         def finish(rec: Any, status: Any, error: Any = None) -> None:
             real_finish(rec, status, error)
-            if status == _transfers.DONE and not evicted:
+            if status == _nixl.DONE and not evicted:
                 evicted.append(1)
-                transfers._peers.evict(peer, aionixl.TransferError("another transfer failed"))
+                dst._peers.evict(peer, aionixl.TransferError("another transfer failed"))
 
-        monkeypatch.setattr(_transfers._InFlight, "finish", finish)
+        monkeypatch.setattr(_inflight.InFlight, "finish", finish)
         with anyio.fail_after(10):
             result = await dst.transfer_blocks(peer, [3], [3])
         assert evicted == [1] and not peer.connected

@@ -37,7 +37,7 @@ import aionixl
 from aionixl import _protocol as proto
 from aionixl.testing import RemoteEngine, assert_blocks_equal
 
-from .conftest import numpy_cache, unique, zero_resources
+from .helpers import numpy_cache, unique, zero_resources
 from .recording import record_hello
 
 #: max_handshake_bytes of the engines here: small, so that oversized frames are cheap.

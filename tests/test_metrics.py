@@ -30,7 +30,7 @@ from aionixl._transfers import TransferResult
 from aionixl.prometheus import EngineCollector
 from aionixl.testing import RemoteEngine
 
-from .conftest import engine_pair, numpy_cache, unique
+from .helpers import engine_pair, numpy_cache, unique
 
 pytestmark = pytest.mark.anyio
 
@@ -176,7 +176,7 @@ async def test_merged_one_block_reads_are_each_counted_with_their_own_seconds() 
         async with anyio.create_task_group() as tg:
             for block in range(BLOCKS):
                 tg.start_soon(read, block)
-        assert dst._transfers.merged_calls > 0  # most rode in merged requests
+        assert dst._coalescer.merged_calls > 0  # most rode in merged requests
         m = dst.metrics()
         assert m.transfers["read"]["ok"] == BLOCKS
         assert m.transferred_bytes["read"] == BLOCKS * PER_BLOCK

@@ -1,16 +1,15 @@
 """Two "hosts" over a real network link: two network namespaces joined by a veth pair.
 
 A prefill engine runs in one namespace and a decode engine in the other, each a child
-process (``tests/netns_peer.py``, driven by JSON commands) with UCX restricted to TCP over
-its veth device. The tests cut the link with ``ip link set DEV down`` while reads are in
-flight, restore it, and restart the prefill side. Needs root and iproute2; skipped
-otherwise. The children run asyncio in some tests and trio in others (one backend per test:
-these are the slow ones).
+process (``tests/netns_peer.py``, driven by commands in the line protocol of
+:mod:`aionixl._lines`) with UCX restricted to TCP over its veth device. The tests cut the
+link with ``ip link set DEV down`` while reads are in flight, restore it, and restart the
+prefill side. Needs root and iproute2; skipped otherwise. The children run asyncio in some
+tests and trio in others (one backend per test: these are the slow ones).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -23,9 +22,10 @@ from typing import Any
 
 import pytest
 
+from aionixl._lines import decode_line, write_file
 from aionixl.testing import Host, TwoHosts
 
-from .conftest import HERE, unique
+from .helpers import HERE, unique
 
 DEADLINE = 2.0  # the transfer timeout the decode side uses while the link is cut
 MARGIN = 1.5  # how late past its deadline a TransferTimeoutError may arrive
@@ -55,8 +55,9 @@ class Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self._log.append(line)
-            if line.startswith("@@ "):
-                self._messages.put(json.loads(line[3:]))
+            message = decode_line(line)
+            if message is not None:
+                self._messages.put(message)
         self._messages.put(None)
 
     def tail(self) -> str:
@@ -78,8 +79,7 @@ class Child:
 
     def send(self, **cmd: Any) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        write_file(self.proc.stdin, cmd)
 
     def reply(self, wait: float = 30) -> dict[str, Any]:
         while True:

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import aionixl
-from aionixl import _push
+from aionixl import _hostfacts, _nixl, _push, _wire
 from aionixl.testing import RemoteEngine
 
-from .conftest import engine_pair, numpy_cache, unique, zero_resources
+from .helpers import engine_pair, numpy_cache, unique, zero_resources
 from .leaving import WAYS, check_server, run_reader, start_server, ucx_noise
 
 pytestmark = pytest.mark.anyio
@@ -31,24 +31,25 @@ PUSH = aionixl.EngineConfig(read_mode="push", push_chunk_bytes=64 << 10)
 
 def test_read_mode_rule() -> None:
     same = {"node": "n1", "ucx_tls": "", "rdma": "0"}
-    feats = frozenset({_push.PUSH_FEATURE})
-    assert _push.choose_read_mode("auto", feats, same, same) == "get"  # one host, shm allowed
+    feats = frozenset({_hostfacts.PUSH_FEATURE})
+    assert _hostfacts.choose_read_mode("auto", feats, same, same) == "get"  # one host, shm allowed
     tcp = {**same, "ucx_tls": "tcp"}
-    assert _push.choose_read_mode("auto", feats, same, tcp) == "push"  # shm not allowed on one side
-    assert _push.choose_read_mode("auto", feats, tcp, same) == "push"
+    assert _hostfacts.choose_read_mode("auto", feats, same, tcp) == "push"  # shm not allowed on one side
+    assert _hostfacts.choose_read_mode("auto", feats, tcp, same) == "push"
     other = {**same, "node": "n2"}
-    assert _push.choose_read_mode("auto", feats, same, other) == "push"  # two hosts, no RDMA
+    assert _hostfacts.choose_read_mode("auto", feats, same, other) == "push"  # two hosts, no RDMA
     rdma_a, rdma_b = {**same, "rdma": "1"}, {**other, "rdma": "1"}
-    assert _push.choose_read_mode("auto", feats, rdma_a, rdma_b) == "get"  # RDMA on both
-    assert _push.choose_read_mode("auto", feats, rdma_a, other) == "push"
-    assert _push.choose_read_mode("auto", frozenset(), same, other) == "get"  # an older peer
-    assert _push.choose_read_mode("push", frozenset(), same, same) == "get"
-    assert _push.choose_read_mode("push", feats, same, same) == "push"
-    assert _push.choose_read_mode("get", feats, same, other) == "get"
-    assert _push.shm_allowed("") and _push.shm_allowed("all") and _push.shm_allowed("tcp,cma")
-    assert not _push.shm_allowed("tcp") and not _push.shm_allowed("^sm")
-    assert _push.shm_allowed("^cma") and not _push.shm_allowed("^posix,sysv,cma,knem,xpmem,sm,shm")
-    assert _push.rdma_allowed("rc,sm") and not _push.rdma_allowed("tcp") and not _push.rdma_allowed("^ib")
+    assert _hostfacts.choose_read_mode("auto", feats, rdma_a, rdma_b) == "get"  # RDMA on both
+    assert _hostfacts.choose_read_mode("auto", feats, rdma_a, other) == "push"
+    assert _hostfacts.choose_read_mode("auto", frozenset(), same, other) == "get"  # an older peer
+    assert _hostfacts.choose_read_mode("push", frozenset(), same, same) == "get"
+    assert _hostfacts.choose_read_mode("push", feats, same, same) == "push"
+    assert _hostfacts.choose_read_mode("get", feats, same, other) == "get"
+    assert _hostfacts.shm_allowed("") and _hostfacts.shm_allowed("all") and _hostfacts.shm_allowed("tcp,cma")
+    assert not _hostfacts.shm_allowed("tcp") and not _hostfacts.shm_allowed("^sm")
+    assert _hostfacts.shm_allowed("^cma") and not _hostfacts.shm_allowed("^posix,sysv,cma,knem,xpmem,sm,shm")
+    assert _hostfacts.rdma_allowed("rc,sm") and not _hostfacts.rdma_allowed("tcp")
+    assert not _hostfacts.rdma_allowed("^ib")
     with pytest.raises(ValueError, match="read_mode"):
         aionixl.EngineConfig(read_mode="pull")  # type: ignore[arg-type]
 
@@ -114,22 +115,22 @@ async def test_the_server_validates_every_request() -> None:
     """Defence in depth: requests that skip the reader's checks get a prompt refusal."""
     async with engine_pair(numpy_cache(8, 4096, 1, seed=1), numpy_cache(4, 4096, 1),
                            config=PUSH) as (src, dst, peer):
-        assert dst._agent is not None
+        assert dst._local.agent is not None
         ids = lambda *v: np.array(v, dtype="<i4").tobytes()  # noqa: E731
         cases = {
-            "destination block id out of range": _push.PushRequest(101, ids(4), ids(0), 5.0),
-            "source block id out of range": _push.PushRequest(102, ids(0), ids(8), 5.0),
-            "same block more than once": _push.PushRequest(103, ids(1, 1), ids(0, 1), 5.0),
-            "empty, unequal": _push.PushRequest(104, ids(1, 2), ids(0), 5.0),
-            "bad timeout": _push.PushRequest(105, ids(1), ids(0), float("nan")),
-            "reserved": _push.PushRequest(106, ids(1), ids(0), 5.0, b"\x00aionixl-probe"),
+            "destination block id out of range": _wire.PushRequest(101, ids(4), ids(0), 5.0),
+            "source block id out of range": _wire.PushRequest(102, ids(0), ids(8), 5.0),
+            "same block more than once": _wire.PushRequest(103, ids(1, 1), ids(0, 1), 5.0),
+            "empty, unequal": _wire.PushRequest(104, ids(1, 2), ids(0), 5.0),
+            "bad timeout": _wire.PushRequest(105, ids(1), ids(0), float("nan")),
+            "reserved": _wire.PushRequest(106, ids(1), ids(0), 5.0, b"\x00aionixl-probe"),
         }
         records = {}
         for reason, request in cases.items():
             rec = _push._Read(peer, request.rid)
             dst._push.reads[request.rid] = rec
             records[reason] = rec
-            dst._agent.send_notif(peer.name, _push.PUSH + _push._encoder.encode(request))
+            dst._local.agent.send_notif(peer.name, _wire.push_request(request))
         dst._wake_drainer()
         with anyio.fail_after(10):
             for rec in records.values():
@@ -201,7 +202,7 @@ READ_HANDLE, FENCE_HANDLE = -1000, -1001
 def _stuck_read_then_fence(engine: aionixl.Engine, fence_check: Any) -> list[int]:
     """From now on the engine's next read never ends, and its fence read's state checks
     return (or raise) what ``fence_check()`` does. Returns the posts' descriptor counts."""
-    agent = engine._transfers.agent
+    agent = engine._local.agent
     assert agent is not None
     real_start, real_check = agent.start_xfer, agent.check
     posts: list[int] = []
@@ -210,14 +211,14 @@ def _stuck_read_then_fence(engine: aionixl.Engine, fence_check: Any) -> list[int
         posts.append(len(args[2]))
         handle, state = real_start(*args)
         if len(posts) <= 2:  # the read, then its fence: NIXL's own requests released
-            if handle != _push.NO_HANDLE:
+            if handle != _nixl.NO_HANDLE:
                 agent.release_xfer(handle)
-            return -999 - len(posts), _push.PROC
+            return -999 - len(posts), _nixl.PROC
         return handle, state
 
     def check(handle: int) -> Any:
         if handle == READ_HANDLE:
-            return _push.PROC
+            return _nixl.PROC
         if handle == FENCE_HANDLE:
             return fence_check()
         return real_check(handle)
@@ -244,7 +245,7 @@ async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_pe
 
         def fence_finished() -> Any:  # ... and the reader is cancelled before it runs
             reader[0].cancel()
-            return _push.DONE
+            return _nixl.DONE
 
         posts = _stuck_read_then_fence(dst, fence_finished)
 
@@ -253,7 +254,7 @@ async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_pe
 
         reader.append(asyncio.get_running_loop().create_task(read()))
         with anyio.fail_after(5):
-            while READ_HANDLE not in dst._transfers.inflight:
+            while READ_HANDLE not in dst._inflight.records:
                 await anyio.sleep(0)
             reader[0].cancel()  # leaves the read: it fences
             with pytest.raises(asyncio.CancelledError):

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import aionixl
-from aionixl._pytest_plugin import RemoteEngineFactory
 from aionixl.testing import (
     Pair,
     RemoteEngine,
@@ -32,8 +31,9 @@ from aionixl.testing import (
     make_caches,
     unique_name,
 )
+from aionixl.testing._plugin import RemoteEngineFactory
 
-from .conftest import HERE
+from .helpers import HERE
 
 GEOMETRY = {"num_blocks": 16, "block_shape": (16, 8, 64), "dtypes": ("float16", "bfloat16")}
 

@@ -23,7 +23,6 @@ Not collected by pytest (the file name does not match test_*.py).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import queue
@@ -47,6 +46,8 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import aionixl
 from aionixl import _protocol as proto
+from aionixl._lines import decode_line, write_file
+from aionixl.testing import make_caches
 
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
@@ -58,8 +59,8 @@ BIG = 1 << 30
 
 
 def seeded(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (BLOCKS, BLOCK_BYTES), dtype=np.uint8) for _ in range(REGIONS)]
+    """What the listener serves: ``netns_peer.py --seed`` fills its blocks with make_caches."""
+    return [t.numpy() for t in make_caches(seed, BLOCKS, (BLOCK_BYTES,), ("uint8",) * REGIONS)]
 
 
 # ---- the listener, in a child process -----------------------------------------------------
@@ -85,8 +86,9 @@ class ListenerProcess:
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                self.messages.put(json.loads(line[3:]))
+            message = decode_line(line)
+            if message is not None:
+                self.messages.put(message)
         self.messages.put(None)
 
     def next(self, timeout: float) -> dict[str, Any] | None:
@@ -103,8 +105,7 @@ class ListenerProcess:
             return None
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
+            write_file(self.proc.stdin, cmd)
         except OSError:
             return None
         return self.next(30)

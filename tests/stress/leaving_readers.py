@@ -24,7 +24,7 @@ import anyio
 
 import aionixl
 
-from ..conftest import numpy_cache, unique
+from ..helpers import numpy_cache, unique
 from ..leaving import WAYS, check_server, run_reader, start_server, ucx_noise
 
 

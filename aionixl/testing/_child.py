@@ -2,33 +2,43 @@
 
     python -c BOOTSTRAP SPEC      (BOOTSTRAP: see :data:`BOOTSTRAP`)
 
-``SPEC`` is the hex of a msgpack map (name, seed, geometry, listen, backend, and the
-``EngineConfig`` msgpack-encoded). The child serves an engine over
+``SPEC`` is the hex of a msgpack :class:`Spec` (name, seed, geometry, listen, backend, and
+the ``EngineConfig`` msgpack-encoded). The child serves an engine over
 ``make_caches(seed, ...)`` and answers control requests from its parent.
 
 The control channel is this process's stdin (requests) and a private duplicate of the
-original stdout (replies). File descriptor 1 itself is pointed at stderr before NIXL is
-loaded, so whatever NIXL, UCX or Python print cannot corrupt a reply; every control line
-also starts with :data:`CONTROL_PREFIX` and the parent ignores anything else.
+original stdout (replies), both in the line protocol of :mod:`aionixl._lines`. File
+descriptor 1 itself is pointed at stderr before NIXL is loaded, so whatever NIXL, UCX or
+Python print cannot corrupt a reply; and the parent ignores any line that is not a
+control line anyway.
+
+This module imports only aionixl's public API, :mod:`aionixl._lines` and the cache layer
+of :mod:`aionixl.testing`; the parent side (``_remote``) imports it for :class:`Spec`,
+:class:`Request`, :data:`BOOTSTRAP` and :data:`LISTEN_FAILED`.
+
+PYTEST_DONT_REWRITE
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import anyio
 import msgspec
 
 import aionixl
+from aionixl import _lines
 
-CONTROL_PREFIX = b"\x1eaionixl-ctl "
+from ._caches import make_caches
+
 LISTEN_FAILED = 3  # exit status when the listen endpoint could not be bound
 
 
 #: Run with ``python -c``: keeps the original stdout for control replies and points fd 1
 #: at stderr before anything imports aionixl (and with it NIXL).
 BOOTSTRAP = ("import os, sys; control = os.dup(1); os.dup2(2, 1); "
-             "from aionixl._testing_child import main; main(control, sys.argv[1])")
+             "from aionixl.testing._child import main; main(control, sys.argv[1])")
 
 
 class Spec(msgspec.Struct, frozen=True):
@@ -50,13 +60,7 @@ class Request(msgspec.Struct, frozen=True):
     address: str = ""
 
 
-def _say(fd: int, **fields: object) -> None:
-    line = CONTROL_PREFIX + msgspec.json.encode(fields) + b"\n"
-    while line:
-        line = line[os.write(fd, line):]
-
-
-async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, object]:
+async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, Any]:
     if request.op == "live_resources":
         return {"ok": True, "value": engine.live_resources()}
     if request.op == "stats":
@@ -77,17 +81,16 @@ async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, object]
 async def _serve(spec: Spec, control: int) -> None:
     config = (msgspec.msgpack.decode(spec.config, type=aionixl.EngineConfig)
               if spec.config is not None else None)
-    from aionixl.testing import make_caches  # this module is imported by aionixl.testing
-
     caches = make_caches(spec.seed, spec.num_blocks, spec.block_shape, spec.dtypes)
     engine = aionixl.Engine(spec.name, caches, listen=spec.listen, config=config)
     try:
         await engine.__aenter__()
     except aionixl.ListenError as exc:
-        _say(control, event="error", error="ListenError", message=str(exc))
+        _lines.write_fd(control, {"event": "error", "error": "ListenError", "message": str(exc)})
         raise SystemExit(LISTEN_FAILED) from None
     try:
-        _say(control, event="ready", name=engine.name, address=engine.address, pid=os.getpid())
+        _lines.write_fd(control, {"event": "ready", "name": engine.name, "address": engine.address,
+                                  "pid": os.getpid()})
         async with anyio.create_task_group() as tg:
 
             async def handle(request: Request) -> None:
@@ -95,7 +98,7 @@ async def _serve(spec: Spec, control: int) -> None:
                     reply = await _answer(engine, request)
                 except Exception as exc:  # reported to the parent, which raises it there
                     reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-                _say(control, id=request.id, **reply)
+                _lines.write_fd(control, {"id": request.id, **reply})
 
             buffer = b""
             stop = False
@@ -107,7 +110,10 @@ async def _serve(spec: Spec, control: int) -> None:
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    request = msgspec.json.decode(line, type=Request)
+                    fields = _lines.decode_line(line)
+                    if fields is None:
+                        continue
+                    request = msgspec.convert(fields, Request)
                     if request.op == "stop":
                         stop = True
                         break
@@ -115,7 +121,7 @@ async def _serve(spec: Spec, control: int) -> None:
             tg.cancel_scope.cancel()
     finally:
         await engine.__aexit__(None, None, None)
-    _say(control, event="stopped", resources=engine.live_resources())
+    _lines.write_fd(control, {"event": "stopped", "resources": engine.live_resources()})
 
 
 def main(control: int, spec_hex: str) -> None:

@@ -1,5 +1,6 @@
-"""The fixtures of ``pytest_plugins = ["aionixl.testing"]`` (private; registered by
-``aionixl.testing.pytest_configure``, so importing aionixl.testing never imports pytest).
+"""The fixtures of ``pytest_plugins = ["aionixl.testing"]`` (private; pytest registers this
+module because ``aionixl.testing`` names it in its own ``pytest_plugins``, so importing
+aionixl.testing never imports pytest, and nothing imports this module but pytest and tests).
 
 One fixture has to work under two async plugins that run async fixtures differently:
 
@@ -12,6 +13,8 @@ So each public fixture is a plain synchronous fixture that looks at the test and
 the matching private variant. The pytest-asyncio variant of ``aionixl_pair`` enters the
 engines in a task of its own that lives until teardown: an engine's anyio task group must
 be exited by the task that entered it, which setup and teardown tasks are not.
+
+PYTEST_DONT_REWRITE
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from .testing import Pair, RemoteEngine, RemoteEngineError, engine_pair
+from ._pair import Pair, engine_pair
+from ._remote import RemoteEngine, RemoteEngineError
 
 HAVE_PYTEST_ASYNCIO = importlib.util.find_spec("pytest_asyncio") is not None
 

@@ -1,0 +1,191 @@
+"""Two "hosts" on one machine: network namespaces joined by a veth pair whose link a test
+can cut (root and iproute2 only).
+
+PYTEST_DONT_REWRITE
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NoReturn, Self
+
+from ._remote import KILL_TIMEOUT, RemoteEngine
+
+
+class TwoHostsError(RuntimeError):
+    """Network namespaces cannot be made here, or an ``ip`` command failed."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    if check and result.returncode != 0:
+        raise TwoHostsError(f"ip {' '.join(args)}: {result.stderr.strip() or result.returncode}")
+    return result
+
+
+def _netns_unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 ('ip') is not installed"
+    probe = f"aionixl-probe-{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+def _skip_or_raise(reason: str) -> NoReturn:
+    """``pytest.skip`` under pytest, a :class:`TwoHostsError` elsewhere."""
+    if "pytest" in sys.modules:
+        import pytest
+
+        pytest.skip(f"TwoHosts: {reason}")
+    raise TwoHostsError(reason)
+
+
+@dataclass(frozen=True)
+class Host:
+    """One end of :class:`TwoHosts`: a namespace, its veth device and its IPv4 address."""
+
+    ns: str
+    dev: str
+    addr: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this namespace."""
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def link(self, up: bool) -> None:
+        """Bring this end's veth device up or down."""
+        _ip("-n", self.ns, "link", "set", self.dev, "up" if up else "down")
+
+    def ucx_env(self) -> dict[str, str]:
+        """Environment that keeps UCX on TCP over this host's veth device."""
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.dev}
+
+
+_pairs = itertools.count()
+
+
+class TwoHosts:
+    """Two "hosts" on one machine: network namespaces ``a`` and ``b`` joined by a veth pair.
+
+    A context manager (sync or async). Needs root and iproute2: otherwise entering it calls
+    ``pytest.skip`` with the reason under pytest, and raises :class:`TwoHostsError`
+    elsewhere. :meth:`run` starts a process in either namespace; :meth:`cut` and
+    :meth:`restore` take the link down and up. On exit every process started with
+    :meth:`run` is killed and reaped and both namespaces (and with them the pair) are
+    deleted, also when the body failed. Names and addresses are unique per process and
+    per pair.
+    """
+
+    def __init__(self) -> None:
+        n = next(_pairs)
+        pid = os.getpid()
+        tag = f"{pid % 100000}x{n % 100}"
+        # A /30 inside 10.231.0.0/16 chosen from the pid and the pair number; it only ever
+        # exists inside the two namespaces made here.
+        slot = (pid * 7 + n) % (256 * 64)
+        third, fourth = slot // 64, (slot % 64) * 4
+        self.a = Host(f"aionixl-{tag}-a", f"anx{tag}a", f"10.231.{third}.{fourth + 1}")
+        self.b = Host(f"aionixl-{tag}-b", f"anx{tag}b", f"10.231.{third}.{fourth + 2}")
+        self._made: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    def __enter__(self) -> Self:
+        reason = _netns_unavailable()
+        if reason is not None:
+            _skip_or_raise(reason)
+        try:
+            self._create()
+        except TwoHostsError as exc:
+            self._remove()
+            _skip_or_raise(f"cannot make a veth pair between namespaces here: {exc}")
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._remove()
+
+    async def __aenter__(self) -> Self:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def host(self, which: Host | str) -> Host:
+        """``"a"``, ``"b"`` or one of the two :class:`Host` objects."""
+        if isinstance(which, Host) and which in (self.a, self.b):
+            return which
+        if which == "a":
+            return self.a
+        if which == "b":
+            return self.b
+        raise ValueError(f"no host {which!r}: use 'a', 'b', or TwoHosts.a / .b")
+
+    def run(self, host: Host | str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside ``host``'s namespace (``subprocess.Popen`` arguments pass
+        through); it is killed and reaped on exit if still running."""
+        proc: subprocess.Popen[Any] = subprocess.Popen(self.host(host).command(argv), **popen_kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def remote_engine(self, host: Host | str, name: str | None = None, **kwargs: Any) -> RemoteEngine:
+        """A :class:`RemoteEngine` (same arguments) run inside ``host``'s namespace, listening
+        on its address, with UCX on TCP over its veth device."""
+        where = self.host(host)
+        kwargs.setdefault("listen", f"tcp://{where.addr}:0")
+        kwargs["env"] = {**where.ucx_env(), **kwargs.get("env", {})}
+        return RemoteEngine(name, command_prefix=where.command([]), **kwargs)
+
+    def cut(self, host: Host | str = "a") -> None:
+        """Take ``host``'s end of the link down (``ip link set DEV down``)."""
+        self.host(host).link(up=False)
+
+    def restore(self) -> None:
+        """Bring both ends of the link up again."""
+        self.a.link(up=True)
+        self.b.link(up=True)
+
+    def _create(self) -> None:
+        for ns in (self.a.ns, self.b.ns):
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+        _ip("link", "add", self.a.dev, "netns", self.a.ns, "type", "veth",
+            "peer", "name", self.b.dev, "netns", self.b.ns)
+        for end in (self.a, self.b):
+            _ip("-n", end.ns, "link", "set", "lo", "up")
+            _ip("-n", end.ns, "addr", "add", f"{end.addr}/30", "dev", end.dev)
+            _ip("-n", end.ns, "link", "set", end.dev, "up")
+
+    def _remove(self) -> None:
+        for proc in self._procs:  # before the namespaces go
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=KILL_TIMEOUT)
+        self._procs.clear()
+        # Deleting a namespace destroys the veth end inside it, and with it the pair.
+        for ns in self._made:
+            _ip("netns", "del", ns, check=False)
+        self._made.clear()
+        if _ip("link", "show", self.a.dev, check=False).returncode == 0:
+            _ip("link", "del", self.a.dev, check=False)
