@@ -192,7 +192,7 @@ async def floor(harness: str, widths: list[int], blocks: int, transfers: int, re
     No coalescing engine on this event loop can beat the last: a caller that waits for a
     merged request parks at least once, and its wake-up costs what that row shows.
     """
-    from aionixl._util import loop_tools
+    from aionixl._parking import loop_tools
 
     tools = loop_tools()
     park, unpark_all = tools.park, tools.unpark_all

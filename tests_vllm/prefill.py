@@ -1,24 +1,20 @@
-"""Starts and steers ``benchmarks/contenders/vllm_worker.py``: a real vLLM prefill worker."""
+"""Starts and steers ``python -m aionixl._bench.contenders.vllm_worker``: a real vLLM prefill worker."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from aionixl._bench._child import module_command
 from aionixl._bench._memory import expected_words
-
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "benchmarks" / "contenders" / "vllm_worker.py"
+from aionixl._lines import decode_line, encode_line
 
 
 def free_port() -> int:
@@ -34,10 +30,11 @@ class VllmPrefill:
         read_fd, write_fd = os.pipe()
         try:
             # The worker picks its own ports as it binds them (vllm_worker.free_port).
-            self.proc = subprocess.Popen(
-                [sys.executable, str(WORKER), "--fd", str(write_fd), "--layers", str(layers),
-                 "--blocks", str(blocks), "--lease-s", str(lease_s)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(write_fd,))
+            argv, env = module_command("aionixl._bench.contenders.vllm_worker", "--fd", str(write_fd),
+                                       "--layers", str(layers), "--blocks", str(blocks),
+                                       "--lease-s", str(lease_s))
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         pass_fds=(write_fd,), env=env)
         finally:
             os.close(write_fd)
         self._fd = read_fd
@@ -55,7 +52,9 @@ class VllmPrefill:
         self._buf += chunk
         while b"\n" in self._buf:
             line, self._buf = self._buf.split(b"\n", 1)
-            self.events.append(json.loads(line))
+            event = decode_line(line)
+            if event is not None:
+                self.events.append(event)
         return True
 
     def wait_for(self, predicate: Any, timeout: float) -> dict[str, Any]:
@@ -97,7 +96,7 @@ class VllmPrefill:
 
     def hold(self, req: str, lease_s: float) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": "hold", "req": req, "lease_s": lease_s}).encode() + b"\n")
+        self.proc.stdin.write(encode_line({"op": "hold", "req": req, "lease_s": lease_s}))
         self.proc.stdin.flush()
         self.wait_for(lambda e: e.get("held") == req, 30.0)
 

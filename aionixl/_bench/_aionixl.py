@@ -177,7 +177,8 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
         peer = await eng.connect(unit.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])  # wire-up
         await _verify(ctx, eng, peer, "start")
-        eng._transfers.wake_trace = []
+        wakes: list[int] = []
+        eng.trace_wakeups(wakes)
         ref = ctx.open_reference()
         refs: dict[str, Callable[[], float]] = {} if ref is None else ref.pairs
         paired: dict[str, list[float]] = {}
@@ -234,8 +235,8 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
             if ref is not None:
                 ref.close()
         info["paired"] = paired
-        info["wake_samples_default_transport"] = len(eng._transfers.wake_trace)
-        eng._transfers.wake_trace = None
+        info["wake_samples_default_transport"] = len(wakes)
+        eng.trace_wakeups(None)
         await _verify(ctx, eng, peer, "after the timed loops")
 
         ctx.progress(f"{label}: event-loop lag")
@@ -355,11 +356,11 @@ async def _close_once(ctx: Context, backend: str, first: bool, npeers: int | Non
         if first:
             ctx.progress(f"aionixl on {backend}: completion-to-wake over UCX tcp")
             trace: list[int] = []
-            eng._transfers.wake_trace = trace
+            eng.trace_wakeups(trace)
             for i in range(spec.wake_count):
                 ids = [i % spec.blocks]
                 await eng.transfer_blocks(peers[0], ids, ids)
-            eng._transfers.wake_trace = None
+            eng.trace_wakeups(None)
             extra["wake"] = [ns * 1e-9 for ns in trace]
             ctx.progress(f"aionixl on {backend}: event-loop lag, {spec.lag_workers} in flight over tcp")
             extra["lag_64_tcp"] = [

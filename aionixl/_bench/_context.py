@@ -1,7 +1,7 @@
 """What every contender gets: the spec, both sides' memory, the prefill units, workloads.
 
-The contenders under ``benchmarks/`` receive this object too (duck-typed); they use only
-the attributes and methods documented here.
+The contenders under :mod:`aionixl._bench.contenders` receive this object too (typed as
+``Any`` there); they use only the attributes and methods documented here.
 """
 
 from __future__ import annotations

@@ -1,22 +1,27 @@
 """The prefill-side child process, seen from the benchmark: start, wait, steer, stop.
 
-The child is ``benchmarks/contenders/target.py`` from the checkout. It talks over a pipe
-of its own (its stdout goes to our stderr, so NIXL/UCX log lines never reach the table).
+The child is ``python -m aionixl._bench.contenders.target`` (:func:`._child.module_command`).
+It answers over a pipe of its own (its stdout goes to our stderr, so NIXL/UCX log lines
+never reach the table); both directions speak :mod:`aionixl._lines`.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import select
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
+
+from .._lines import decode_line, encode_line
+from ._child import module_command
+
+#: The child, a module of this package (not imported here: it loads NIXL and the engine).
+MODULE = "aionixl._bench.contenders.target"
 
 
 class TargetError(RuntimeError):
@@ -34,7 +39,7 @@ class Unit:
 
 
 class Target:
-    def __init__(self, script: Path, layers: int, blocks: int, block_bytes: int, device: str,
+    def __init__(self, layers: int, blocks: int, block_bytes: int, device: str,
                  peers: int, env: dict[str, str] | None = None) -> None:
         read_fd, write_fd = os.pipe()
         try:
@@ -42,49 +47,62 @@ class Target:
         except (AttributeError, OSError, ValueError):
             out = subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(script), "--fd", str(write_fd), "--layers", str(layers),
-                 "--blocks", str(blocks), "--block-bytes", str(block_bytes), "--device", device,
-                 "--peers", str(peers)],
-                stdin=subprocess.PIPE, stdout=out, pass_fds=(write_fd,), env=env)
+            argv, child_env = module_command(
+                MODULE, "--fd", str(write_fd), "--layers", str(layers), "--blocks", str(blocks),
+                "--block-bytes", str(block_bytes), "--device", device, "--peers", str(peers), env=env)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, pass_fds=(write_fd,),
+                                         env=child_env)
         finally:
             os.close(write_fd)
         self._fd = read_fd
         self._buf = b""
         self.units: list[Unit] = []
         self.layout: dict[str, Any] = {}
+        self.aionixl_path = ""
         self.pid = self.proc.pid
         self.spinning = True
 
-    def _line(self, timeout: float) -> str:
+    def _message(self, timeout: float) -> dict[str, Any]:
+        """The child's next message (lines that are not one are skipped)."""
         deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TargetError(f"the prefill process did not answer within {timeout:.0f} s")
-            ready, _, _ = select.select([self._fd], [], [], left)
-            if ready:
-                chunk = os.read(self._fd, 65536)
-                if not chunk:
-                    code = self.proc.poll()
-                    raise TargetError(f"the prefill process exited (code {code}); its output is above")
-                self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line.decode()
+        while True:
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TargetError(f"the prefill process did not answer within {timeout:.0f} s")
+                ready, _, _ = select.select([self._fd], [], [], left)
+                if ready:
+                    chunk = os.read(self._fd, 65536)
+                    if not chunk:
+                        code = self.proc.poll()
+                        raise TargetError(f"the prefill process exited (code {code}); its output is above")
+                    self._buf += chunk
+            line, self._buf = self._buf.split(b"\n", 1)
+            try:
+                message = decode_line(line)
+            except ValueError as exc:
+                raise TargetError(f"the prefill process: {exc}") from None
+            if message is not None:
+                return message
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        msg = json.loads(self._line(timeout))["ready"]
+        message = self._message(timeout)
+        if "ready" not in message:
+            raise TargetError(f"the prefill process said {message!r} before it was ready")
+        msg = message["ready"]
         self.layout = msg["layout"]
+        #: Where the child imported aionixl from (the report says so beside our own).
+        self.aionixl_path = str(msg.get("aionixl", ""))
         self.units = [Unit(u["name"], u["address"], u["meta_address"], base64.b64decode(u["metadata"]))
                       for u in msg["units"]]
 
     def _command(self, cmd: str) -> None:
         stdin: IO[bytes] | None = self.proc.stdin
         assert stdin is not None
-        stdin.write(f"{cmd}\n".encode())
+        stdin.write(encode_line({"cmd": cmd}))
         stdin.flush()
-        reply = self._line(30.0)
-        if reply != f"ack {cmd}":
+        reply = self._message(30.0)
+        if reply != {"ack": cmd}:
             raise TargetError(f"unexpected reply from the prefill process: {reply!r}")
 
     def spin(self) -> None:

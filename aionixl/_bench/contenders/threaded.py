@@ -1,23 +1,19 @@
-"""Drives the threaded-connector MODEL (benchmarks/baselines/threaded_connector.py) through
-the measures of ``aionixl bench``.
+"""Drives the threaded-connector MODEL (:mod:`.threaded_connector`) through the measures of
+``aionixl bench``.
 
 The engine loop is this thread: each step posts what the "scheduler" asked for, runs the
 forward pass (a sleep of ``--step-ms``), then polls (``get_finished``). A transfer is
 therefore seen done at the first step boundary after NIXL finished it, and a handshake at
-the first step after the executor's worker finished it. Loaded by ``aionixl bench``;
+the first step after the executor's worker finished it. Run by ``aionixl bench``;
 ``run(ctx)`` returns samples per measure.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "baselines"))
-
-from threaded_connector import ThreadedConnector, engine_step
+from .threaded_connector import ThreadedConnector, engine_step
 
 
 def _wait(conn: ThreadedConnector, step_s: float, requests: set[Any] | None = None,

@@ -1,7 +1,8 @@
 """A real vLLM NixlConnector decode worker (pull role: READ), for ``aionixl bench --with-vllm``.
 
-Runs under a venv with vLLM (``./run vllm-setup``), beside a prefill worker
-(``vllm_worker.py``). It builds what a vLLM decode instance would (``VllmSide`` in the
+Runs under a venv with vLLM (``./run vllm-setup``), as
+``python -m aionixl._bench.contenders.vllm_decode``, beside a prefill worker
+(:mod:`.vllm_worker`). It builds what a vLLM decode instance would (``VllmSide`` in the
 consumer role: a WORKER-role connector that registers the KV cache, and a SCHEDULER-role
 connector whose side-channel listener serves this worker's metadata) and then plays vLLM's
 engine loop, as the bench asks:
@@ -17,8 +18,8 @@ engine loop, as the bench asks:
   it finished. To handshake again, the engine is dropped the way vLLM's TTL eviction does
   it (``_cleanup_remote_engine``).
 
-Protocol: a JSON ``ready`` line on ``--fd``; then one JSON command per line on stdin, each
-answered by one JSON line on ``--fd`` (``{"error": ...}`` when it failed). End of stdin
+Protocol (:mod:`aionixl._lines` messages): ``ready`` on ``--fd``; then one command per
+line on stdin, each answered by one message on ``--fd`` (``{"error": ...}`` when it failed). End of stdin
 shuts the connectors down and exits. Bytes are checked against the prefill's pattern
 (``expected_words``) by the ``verify`` command.
 """
@@ -27,21 +28,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
-from vllm_worker import VllmSide, free_port, thread_count
 
-from aionixl._bench._memory import expected_words
+from ..._lines import decode_line, write_file
+from .._memory import expected_words
+from .vllm_worker import VllmSide, free_port, thread_count
 
 
 def cpu_seconds() -> float:
@@ -223,8 +221,7 @@ def main() -> None:
     out = os.fdopen(args.fd, "w")
 
     def emit(obj: dict[str, Any]) -> None:
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
+        write_file(out, obj)
 
     side = VllmSide("decode", args.engine_id, args.port, args.layers, args.blocks, args.block_size,
                     args.kv_heads, args.head_dim, 30, args.dist_port, unpin=args.unpin)
@@ -237,7 +234,9 @@ def main() -> None:
                 "idle": decode.cmd_idle, "close": decode.cmd_close}
     try:
         for line in sys.stdin:
-            cmd = json.loads(line)
+            cmd = decode_line(line)
+            if cmd is None:
+                continue
             try:
                 emit(handlers[cmd["op"]](cmd))
             except Exception as exc:

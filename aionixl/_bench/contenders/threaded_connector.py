@@ -32,13 +32,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import zmq
 
-from aionixl._bench._context import Context
-from aionixl._bench._memory import block_descriptors
+from .._context import Context
+from .._memory import block_descriptors
 
 GET_METADATA = b"get-metadata"
 RECV_TIMEOUT_MS = 1000
@@ -178,10 +179,13 @@ class ThreadedConnector:
             return
         fut = self._executor.submit(self._handshake, address)
         self._handshakes[address] = fut
-        fut.add_done_callback(lambda _f, a=address: self._finished_handshakes.put(a))
+        fut.add_done_callback(partial(self._handshake_done, address))
+
+    def _handshake_done(self, address: str, _fut: Future[RemoteAgent]) -> None:
+        self._finished_handshakes.put(address)
 
     def _handshake(self, address: str) -> RemoteAgent:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = ctx.socket(zmq.REQ)
         try:
             sock.setsockopt(zmq.LINGER, 0)

@@ -1,9 +1,10 @@
 """vLLM's real NixlConnector as a contender of ``aionixl bench --with-vllm``.
 
 Two child processes under this interpreter (which must have vLLM): a vLLM prefill worker
-(``vllm_worker.py --quiet``: vLLM's connector pair over a patterned KV cache, its engine loop
-stepping every 1 ms) and a vLLM decode worker (``vllm_decode.py``: vLLM's connector in the
-pull role, driven as vLLM's scheduler and engine loop would drive it). This module steers
+(``python -m aionixl._bench.contenders.vllm_worker --quiet``: vLLM's connector pair over a
+patterned KV cache, its engine loop stepping every 1 ms) and a vLLM decode worker
+(``python -m aionixl._bench.contenders.vllm_decode``: vLLM's connector in the pull role,
+driven as vLLM's scheduler and engine loop would drive it). This module steers
 them and turns their answers into the bench's samples.
 
 Geometry: the vLLM model is chosen so that its KV cache has the bench's shape: one NIXL
@@ -12,44 +13,51 @@ the bench has regions, a page of ``--block-bytes`` (32 tokens x KV heads x head 
 x bf16), ``--blocks`` blocks. Block id b is block b of every region on both sides, as in the
 aionixl contenders. Every read carries vLLM's notification for a request the prefill holds
 (``hold_many`` before each loop), so the prefill frees blocks as it would in service.
-Loaded by ``aionixl bench``; ``run(ctx)`` returns samples per measure.
+Run by ``aionixl bench``; ``run(ctx)`` returns samples per measure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import select
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from ..._lines import decode_line, encode_line
+from .._child import module_command
 
 
 class Child:
-    """A vLLM worker process: JSON lines in on stdin, JSON lines out on a pipe of its own
+    """A vLLM worker process: :mod:`aionixl._lines` messages in on stdin, out on a pipe of its own
     (its stdout and stderr, vLLM's and NIXL's logs, go to a file)."""
 
-    def __init__(self, script: str, args: list[str], log: Any) -> None:
+    def __init__(self, module: str, args: list[str], log: Any) -> None:
         read_fd, write_fd = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, str(HERE / script), "--fd", str(write_fd), *args],
-                                         stdin=subprocess.PIPE, stdout=log, stderr=log,
-                                         pass_fds=(write_fd,))
+            argv, env = module_command(f"{__package__}.{module}", "--fd", str(write_fd), *args)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                         pass_fds=(write_fd,), env=env)
         finally:
             os.close(write_fd)
-        self.name = script
+        self.name = module
         self._fd = read_fd
         self._buf = b""
 
     def line(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                msg = decode_line(line)
+                if msg is None:
+                    continue  # not a message (the child's own output never comes here)
+                if msg.get("error"):
+                    raise RuntimeError(f"{self.name}: {msg['error']}")
+                return msg
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"{self.name} did not answer within {timeout:.0f} s")
@@ -59,15 +67,10 @@ class Child:
                 if not chunk:
                     raise RuntimeError(f"{self.name} exited (code {self.proc.wait()})")
                 self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        msg: dict[str, Any] = json.loads(line)
-        if msg.get("error"):
-            raise RuntimeError(f"{self.name}: {msg['error']}")
-        return msg
 
     def ask(self, cmd: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd).encode() + b"\n")
+        self.proc.stdin.write(encode_line(cmd))
         self.proc.stdin.flush()
         return self.line(timeout)
 
@@ -99,8 +102,8 @@ def run(ctx: Any) -> dict[str, Any]:
     ctx.progress(f"vLLM connector: starting a vLLM prefill and a vLLM decode worker (log: {log_path})")
     with open(log_path, "ab") as log:
         # Each worker picks its own ports as it binds them (vllm_worker.free_port).
-        prefill = Child("vllm_worker.py", ["--quiet", "--lease-s", "600", *geometry], log)
-        decode = Child("vllm_decode.py", geometry, log)
+        prefill = Child("vllm_worker", ["--quiet", "--lease-s", "600", *geometry], log)
+        decode = Child("vllm_decode", geometry, log)
         try:
             p_ready = prefill.line(300)["ready"]
             d_ready = decode.line(300)["ready"]

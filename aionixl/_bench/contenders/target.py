@@ -1,10 +1,11 @@
 """The prefill side of ``aionixl bench``: serves a KV cache filled with a known pattern.
 
-Started by the benchmark as a child process, not by hand. It hosts ``--peers`` units on one
+Started by the benchmark as a child process (``python -m aionixl._bench.contenders.target``,
+see :class:`aionixl._bench._target.Target`), not by hand. It hosts ``--peers`` units on one
 shared cache; each unit is an aionixl Engine (the real product, with its handshake listener)
 plus a metadata listener thread (the prefill side of the threaded-connector model) that
 serves that engine's NIXL agent metadata. The bare-NIXL contender reads from unit 0 with
-the metadata printed in the ready message.
+the metadata sent in the ready message.
 
 Progress: with NIXL's progress thread off, a target must keep calling into NIXL or
 transfers stall (the first after a connect always needs it; over UCX tcp every transfer
@@ -14,52 +15,34 @@ NIXL progress (``get_notifs``) on every event-loop turn; while **resting** it le
 engines to their own polling (used while connect latency and idle CPU are measured, so
 that a busy target does not starve the listener threads of the GIL).
 
-Protocol: a JSON ready message on the file descriptor ``--fd``; then commands on stdin,
-one per line (``spin``, ``rest``), each acknowledged on ``--fd`` with ``ack <command>``.
-End of stdin stops it.
+Protocol (:mod:`aionixl._lines`, one message per line): a ``{"ready": ...}`` message on
+the file descriptor ``--fd``; then ``{"cmd": "spin"}`` / ``{"cmd": "rest"}`` messages on
+stdin, each acknowledged on ``--fd`` with ``{"ack": <command>}``. End of stdin stops it.
+
+Beyond the public API it uses the engine's two hooks for tools that drive NIXL beside it:
+``Engine.nixl_metadata()`` and ``Engine.poll_nixl()``.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import json
 import logging
 import os
 import sys
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "baselines"))
-
-from threaded_connector import MetadataListener, encode_metadata
-
 import aionixl
-from aionixl._bench._memory import KVMemory
-from aionixl._peers import RESERVED
+from aionixl._lines import decode_line, write_fd
 
+from .._memory import KVMemory
+from .threaded_connector import MetadataListener, encode_metadata
 
-def _engine_agent(engine: aionixl.Engine) -> Any:
-    """The engine's NIXL agent wrapper (private; the benchmark needs its progress call)."""
-    agent = getattr(engine, "_agent", None)
-    if agent is None or not hasattr(agent, "get_notifs") or not hasattr(agent, "metadata"):
-        raise SystemExit("bench target: aionixl.Engine no longer exposes _agent.get_notifs() and "
-                         "_agent.metadata(); update benchmarks/contenders/target.py")
-    return agent
-
-
-def _progress(engine: aionixl.Engine, agent: Any) -> None:
-    """One NIXL progress call. The engine's own messages (push-read requests, probes,
-    goodbyes) that it returns go to the engine as its drainer would hand them over."""
-    for name, messages in agent.get_notifs().items():
-        for message in messages:
-            if message.startswith(RESERVED):
-                engine._peers.heard(name, message)
+MODULE = "aionixl._bench.contenders.target"
 
 
 class State:
@@ -81,36 +64,29 @@ async def spin(progress: list[Callable[[], Any]], state: State) -> None:
         await anyio.sleep(0)
 
 
-async def commands(out: Any, state: State) -> None:
-    fd = sys.stdin.fileno()
+async def commands(fd: int, state: State) -> None:
+    stdin = sys.stdin.fileno()
     buf = b""
     while True:
-        await anyio.wait_readable(fd)
-        chunk = os.read(fd, 4096)
+        await anyio.wait_readable(stdin)
+        chunk = os.read(stdin, 4096)
         if not chunk:
             return
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            cmd = line.decode().strip()
+            message = decode_line(line)
+            if message is None:
+                continue
+            cmd = str(message.get("cmd"))
             if cmd in ("spin", "rest"):
                 state.spinning = cmd == "spin"
                 state.changed.set()
-            out.write(f"ack {cmd}\n")
-            out.flush()
+            write_fd(fd, {"ack": cmd})
 
 
-async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--fd", type=int, required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--blocks", type=int, required=True)
-    p.add_argument("--block-bytes", type=int, required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--peers", type=int, default=8)
-    args = p.parse_args()
+async def serve(args: argparse.Namespace) -> None:
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    out = os.fdopen(args.fd, "w")
     memory = KVMemory(2 * args.layers, args.blocks, args.block_bytes, args.device)
     memory.fill_pattern()
     layout = memory.layout()
@@ -124,20 +100,19 @@ async def main() -> None:
                 engine = await stack.enter_async_context(
                     aionixl.Engine(f"bench-prefill-{os.getpid()}-{i}", memory.regions,
                                    listen="tcp://127.0.0.1:0"))
-                agent = _engine_agent(engine)
-                metadata = agent.metadata()
+                metadata = engine.nixl_metadata()
                 listener = MetadataListener(encode_metadata(metadata, layout),
                                             name=f"prefill-{i}-listener")
                 listeners.append(listener)
-                progress.append(partial(_progress, engine, agent))
+                progress.append(engine.poll_nixl)  # its notifications: nobody waits for them here
                 units.append({"name": engine.name, "address": engine.address,
                               "meta_address": listener.address,
                               "metadata": base64.b64encode(metadata).decode()})
-            out.write(json.dumps({"ready": {"pid": os.getpid(), "layout": layout, "units": units}}) + "\n")
-            out.flush()
+            write_fd(args.fd, {"ready": {"pid": os.getpid(), "layout": layout, "units": units,
+                                         "aionixl": aionixl.__file__}})
             async with anyio.create_task_group() as tg:
                 tg.start_soon(spin, progress, state)
-                await commands(out, state)
+                await commands(args.fd, state)
                 tg.cancel_scope.cancel()
     finally:
         for listener in listeners:
@@ -146,5 +121,16 @@ async def main() -> None:
             listener.close()
 
 
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--blocks", type=int, required=True)
+    p.add_argument("--block-bytes", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--peers", type=int, default=8)
+    anyio.run(serve, p.parse_args(argv))
+
+
 if __name__ == "__main__":
-    anyio.run(main)
+    main()

@@ -8,7 +8,7 @@ then poll all of them until every one is DONE, then release them. Index arrays a
 before the clock starts. One extra row, ``seq_1_raw``, runs the one-block loop on the bound
 ``nixlAgent`` itself (makeXferReq / postXferReq / getXferStatus / releaseXferReq), without
 the wrapper's per-call handle objects: that is what aionixl calls, so it is the true floor.
-Loaded by ``aionixl bench``; ``run(ctx)`` returns samples per measure.
+Run by ``aionixl bench``; ``run(ctx)`` returns samples per measure.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from .._memory import block_descriptors, registration_spans
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -31,8 +33,6 @@ class BareNixl:
         self.ctx = ctx
         self.memory = memory
         layout = memory.layout()
-        from aionixl._bench._memory import block_descriptors, registration_spans
-
         self._block_descriptors = block_descriptors
         self._reg = self.agent.register_memory(registration_spans(layout), layout["mem_type"])
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(layout),

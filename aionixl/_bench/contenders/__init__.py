@@ -1,0 +1,15 @@
+"""The contenders of ``aionixl bench`` that are not aionixl itself, and its child processes.
+
+- :mod:`.bare_nixl`: bare NIXL, synchronous loops on NIXL's Python API (the ceiling);
+- :mod:`.threaded` drives :mod:`.threaded_connector`, a MODEL of the thread-based
+  connector design;
+- :mod:`.vllm_contender` (``--with-vllm``): vLLM's real NixlConnector, in two children,
+  :mod:`.vllm_worker` (prefill) and :mod:`.vllm_decode`;
+- :mod:`.target`: the prefill side every other contender reads from, a child process.
+
+Each contender module has ``run(ctx)`` (``ctx``: :class:`aionixl._bench._context.Context`)
+returning samples per measure. The children run as ``python -m`` of their module
+(:func:`aionixl._bench._child.module_command`). Nothing here is imported until its
+contender runs: the bare-NIXL and threaded ones import NIXL's ``nixl`` package, vLLM's
+ones vLLM.
+"""
