@@ -5,24 +5,31 @@ exceptions mean what. The rest of aionixl sees small Python objects, plain ints 
 transfer handles, and exceptions from ``aionixl._errors``; :func:`translate` is the one
 place that maps NIXL exceptions onto that hierarchy.
 
-Setup calls (registration, metadata, descriptor lists) go through NIXL's public Python
-wrapper. The per-transfer calls go straight to its bound ``nixlAgent`` with integer
-handles: the wrapper's per-call object and ``__del__`` bookkeeping would cost about as
-much as the transfer itself, and this class keeps its own account of every live handle.
+Every call goes straight to NIXL's compiled bindings (``nixl_cu13._bindings`` or
+``nixl_cu12._bindings``, picked as the ``nixl`` package would pick them), never through
+the ``nixl`` package itself: that package's CUDA detection imports torch (about a second
+and 240 MB per process) where torch has no CUDA build, and its Python wrapper's per-call
+handle objects and ``__del__`` bookkeeping would cost about as much as a short transfer.
+:class:`Agent` does what ``nixl._api.nixl_agent`` does for the calls it makes (agent
+configuration, backend creation, descriptor lists from Nx3 arrays) and keeps its own
+account of every live handle.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import pathlib
+import sys
 import time
 from collections.abc import Mapping
 from contextlib import suppress
+from types import ModuleType
 from typing import Any, Literal
 
-import nixl._bindings as _bind
 import numpy as np
 import numpy.typing as npt
-from nixl._api import nixl_agent, nixl_agent_config
 
 from ._errors import (
     AionixlError,
@@ -32,6 +39,83 @@ from ._errors import (
 )
 
 log = logging.getLogger("aionixl")
+
+#: The packages that carry NIXL's bindings, in the order the ``nixl`` package tries them
+#: when no CUDA stack tells it which one to use.
+_BINDING_PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def _cuda_major() -> int | None:
+    """The CUDA major version that selects the bindings package, as ``nixl`` finds it
+    (``nixl_meta_utils.detect_cuda_major``), except that torch is never imported for it:
+    a CUDA stack already imported, else torch's build version read off disk."""
+
+    def major(version: object) -> int | None:
+        return int(str(version).split(".")[0]) if version else None
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        found = major(getattr(getattr(torch, "version", None), "cuda", None))
+        if found is not None:
+            return found
+    cuda_bindings = sys.modules.get("cuda.bindings")
+    if cuda_bindings is not None:
+        found = major(getattr(cuda_bindings, "__version__", None))
+        if found is not None:
+            return found
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        with suppress(Exception):
+            return int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    return major(_torch_cuda_on_disk())
+
+
+def _torch_cuda_on_disk() -> str | None:
+    """torch's build CUDA version (``torch/version.py``'s ``cuda``) without importing torch."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        version_spec = importlib.util.spec_from_file_location(
+            "_aionixl_torch_version", pathlib.Path(spec.origin).parent / "version.py")
+        if version_spec is None or version_spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(version_spec)
+        version_spec.loader.exec_module(module)
+    except Exception:
+        return None
+    cuda = getattr(module, "cuda", None)
+    return cuda if isinstance(cuda, str) else None
+
+
+def find_bindings() -> ModuleType:
+    """NIXL's compiled bindings module, without importing the ``nixl`` package.
+
+    The same module ``nixl`` would load: the one it already loaded if it was imported
+    first, else ``nixl_cu<major>`` for a detected CUDA stack, else the first installed of
+    ``nixl_cu13``, ``nixl_cu12``, ``nixl_rocm``. One process must not load two of them.
+    """
+    loaded = sys.modules.get("nixl._bindings")
+    if loaded is not None:
+        return loaded
+    cuda = _cuda_major()
+    candidates = (f"nixl_cu{cuda}",) if cuda is not None else _BINDING_PACKAGES
+    for package in candidates:
+        try:
+            return importlib.import_module(f"{package}._bindings")
+        except ModuleNotFoundError as exc:
+            if exc.name not in (package, f"{package}._bindings"):
+                raise
+    if cuda is not None:
+        raise ImportError(f"detected CUDA {cuda} but nixl-cu{cuda} is not installed")
+    raise ImportError(f"no NIXL bindings found (tried {', '.join(_BINDING_PACKAGES)}): "
+                      "pip install nixl")
+
+
+_bind: Any = find_bindings()
 
 DONE: Literal[0] = 0
 PROC: Literal[1] = 1
@@ -50,6 +134,12 @@ _CREATE_ERRORS: tuple[type[BaseException], ...] = (*_NIXL_ERRORS, RuntimeError)
 _DISCONNECT = _bind.nixlRemoteDisconnectError
 _perf = time.perf_counter
 _ALL_BACKENDS: tuple[int, ...] = ()  # let NIXL choose the backend
+_INIT_AGENT = _bind.NIXL_INIT_AGENT
+#: Memory type names as ``nixl_agent`` takes them ("cpu" and "cuda" are its old spellings).
+_MEMS: dict[str, Any] = {
+    "DRAM": _bind.DRAM_SEG, "VRAM": _bind.VRAM_SEG, "FILE": _bind.FILE_SEG,
+    "BLOCK": _bind.BLK_SEG, "OBJ": _bind.OBJ_SEG, "cpu": _bind.DRAM_SEG, "cuda": _bind.VRAM_SEG,
+}
 
 Kind = Literal["transfer", "handshake", "setup"]
 
@@ -101,17 +191,32 @@ class Agent:
 
     def __init__(self, name: str, backends: tuple[str, ...], progress_thread: bool,
                  telemetry: bool = False) -> None:
-        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends),
-                                   capture_telemetry=telemetry)
+        # As nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
+        # backends=list(backends), capture_telemetry=telemetry)) configures and creates it.
         try:
-            self._agent: Any = nixl_agent(name, config)
+            config = _bind.nixlAgentConfig()
+            config.useProgThread = progress_thread
+            config.useListenThread = False
+            config.listenPort = _bind.DEFAULT_COMM_PORT
+            config.syncMode = _bind.NIXL_THREAD_SYNC_NONE
+            config.pthrDelay = 0
+            config.lthrDelay = 100000
+            config.captureTelemetry = telemetry
+            raw: Any = _bind.nixlAgent(name, config)
+            plugins = raw.getAvailPlugins()
+            if not plugins:
+                raise RuntimeError("No plugins available for NIXL, cannot start transfers!")
+            created = []
+            for backend in backends:
+                if backend in plugins:
+                    raw.createBackend(backend, {})
+                    created.append(backend)
         except _CREATE_ERRORS as exc:
             raise translate(exc, "setup", f"creating NIXL agent {name!r}") from exc
-        missing = [b for b in backends if b not in self._agent.backends]
+        missing = [b for b in backends if b not in created]
         if missing:
-            self._agent = None
             raise AionixlError(f"NIXL backend(s) {missing} are not available here")
-        self._raw: Any = self._agent.agent
+        self._raw: Any = raw
         self.name = name
         self.registrations: list[Any] = []
         self.dlists: set[int] = set()
@@ -127,8 +232,10 @@ class Agent:
     # ---- memory -------------------------------------------------------------------------
 
     def register(self, spans: npt.NDArray[np.uint64], mem_type: str) -> None:
+        """Register (address, length, device) rows of ``mem_type`` ("DRAM", "VRAM")."""
         try:
-            reg = self._agent.register_memory(spans, mem_type)
+            reg = _bind.nixlRegDList(_MEMS[mem_type], spans)
+            self._raw.registerMem(reg, [])
         except _NIXL_ERRORS as exc:
             raise translate(exc, "setup", "registering KV-cache memory") from exc
         self.registrations.append(reg)
@@ -137,7 +244,7 @@ class Agent:
         while self.registrations:
             reg = self.registrations[-1]
             try:
-                self._agent.deregister_memory(reg)
+                self._raw.deregisterMem(reg, [])
             except _NIXL_ERRORS as exc:
                 raise translate(exc, "setup", "deregistering KV-cache memory") from exc
             self.registrations.pop()
@@ -145,7 +252,7 @@ class Agent:
     # ---- metadata and peers -------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        md: bytes = self._agent.get_agent_metadata()
+        md: bytes = self._raw.getLocalMD()
         return md
 
     def add_remote(self, metadata: bytes, name: str) -> None:
@@ -155,7 +262,7 @@ class Agent:
         load of that name fail (NIXL_ERR_NOT_ALLOWED); such leftovers are removed here.
         """
         try:
-            self._agent.add_remote_agent(metadata)
+            self._raw.loadRemoteMD(metadata)
         except _NIXL_ERRORS as exc:
             if name not in self.remote_agents:
                 with suppress(*_NIXL_ERRORS):
@@ -165,7 +272,7 @@ class Agent:
 
     def make_connection(self, remote: str) -> None:
         try:
-            self._agent.make_connection(remote)
+            self._raw.makeConnection(remote, [])
         except _NIXL_ERRORS as exc:
             raise translate(exc, "handshake", f"connecting to {remote!r}") from exc
 
@@ -173,7 +280,7 @@ class Agent:
         if remote not in self.remote_agents:
             return
         try:
-            self._agent.remove_remote_agent(remote)
+            self._raw.invalidateRemoteMD(remote)
         except _NIXL_ERRORS as exc:
             raise translate(exc, "setup", f"removing peer {remote!r}") from exc
         self.remote_agents.discard(remote)
@@ -182,17 +289,14 @@ class Agent:
 
     def prep_dlist(self, remote: str | None, descs: npt.NDArray[np.uint64], mem_type: str) -> int:
         """Prepare a descriptor list: local when ``remote`` is None, else the peer's."""
-        target = "NIXL_INIT_AGENT" if remote is None else remote
+        target = _INIT_AGENT if remote is None else remote
         try:
-            handle = self._agent.prep_xfer_dlist(target, descs, mem_type)
+            handle = int(self._raw.prepXferDlist(target, _bind.nixlXferDList(_MEMS[mem_type], descs), []))
         except _NIXL_ERRORS as exc:
             kind: Kind = "setup" if remote is None else "handshake"
             raise translate(exc, kind, "preparing a descriptor list") from exc
-        # Own the raw handle; the wrapper must not release it again from __del__.
-        raw = int(handle._handle)
-        handle._released = True
-        self.dlists.add(raw)
-        return raw
+        self.dlists.add(handle)
+        return handle
 
     def release_dlist(self, handle: int) -> None:
         if handle not in self.dlists:
@@ -303,4 +407,3 @@ class Agent:
     def destroy(self) -> None:
         """Drop the agent; NIXL tears down its backends (and their threads) here."""
         self._raw = None
-        self._agent = None
