@@ -29,7 +29,7 @@ class EngineConfig:
     #: Create the agent with NIXL's per-request telemetry and take ``TransferResult``'s
     #: ``post_seconds``, ``transfer_seconds`` and ``descriptors`` from it (NIXL's own timing,
     #: descriptors counted after merging). Off by default: reading it costs about 1.5 us per
-    #: transfer (measured; README "Metrics"); the engine's clock stands in.
+    #: transfer (measured; docs/metrics.md); the engine's clock stands in.
     nixl_telemetry: bool = False
     #: Extra compatibility keys (model, dtype, layout...) that must match on both sides.
     compat: Mapping[str, str] = field(default_factory=_mapping)
@@ -65,7 +65,7 @@ class EngineConfig:
     #: transfer to the poller task. Saves a trip through the event loop for short transfers.
     inline_polls: int = 4
     #: Merge concurrent ``transfer_blocks`` calls to one peer with the same op into one
-    #: NIXL request when they arrive together (see the README's "Coalescing"). A lone
+    #: NIXL request when they arrive together (see docs/coalescing.md). A lone
     #: caller never waits for company.
     coalesce: bool = True
     #: The most blocks one merged request carries; callers beyond it start another.
@@ -75,7 +75,7 @@ class EngineConfig:
     #: alone. A caller looping on its own never gathers, whatever the window.
     coalesce_window: float = 0.001
     #: How ``transfer_blocks(op="read")`` moves data: ``"get"`` (a one-sided NIXL READ),
-    #: ``"push"`` (the peer's engine WRITEs the blocks into ours; see README "Read modes"),
+    #: ``"push"`` (the peer's engine WRITEs the blocks into ours; see docs/read-modes.md),
     #: or ``"auto"``: GET where the path supports it natively (one host with shared memory
     #: allowed on both sides, or RDMA on both), push otherwise (UCX over TCP). Decided per
     #: peer at the handshake; ``Peer.read_mode`` says what was chosen.

@@ -57,7 +57,7 @@ class Engine:
     """Moves KV-cache blocks between this process and peer engines over NIXL.
 
     ``kv_caches`` is a sequence of regions (torch tensors on CPU or CUDA, or numpy
-    arrays); see the README for the layout rules. ``listen`` is the zmq endpoint peers
+    arrays); see the README's "The contract" for the layout rules. ``listen`` is the zmq endpoint peers
     connect to (port 0 picks a free port); ``None`` runs without a listener, for engines
     that only connect out.
     """

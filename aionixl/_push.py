@@ -29,7 +29,7 @@ The exchange, all over reserved NIXL notifications (their formats are in
   land. A reader that hears neither ``PGONE``, ``PDONE`` nor ``PERR`` within
   ``push_cancel_timeout`` evicts the peer: its NIXL connection is closed, so the server's
   writes can no longer reach our memory (best effort against a server stopped mid-chunk
-  over UCX tcp: that chunk can still land when it resumes; see the README's known gap).
+  over UCX tcp: that chunk can still land when it resumes; see docs/read-modes.md, "Known gap").
 
 Where a one-sided GET is native the engine reads with it instead; the choice is
 :func:`aionixl._hostfacts.choose_read_mode`, the GET fence is in :mod:`aionixl._post`.

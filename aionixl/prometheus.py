@@ -46,7 +46,7 @@ _le: Callable[[float], str] = floatToGoString
 
 class EngineCollector(Collector):
     """A prometheus_client collector for one engine (or a few): register it with any
-    ``CollectorRegistry``. Metric names are listed in the README ("Metrics")."""
+    ``CollectorRegistry``. Metric names are listed in docs/metrics.md."""
 
     def __init__(self, engine: Engine, *more: Engine) -> None:
         engines = (engine, *more)

@@ -162,7 +162,7 @@ async def test_no_late_bytes_after_a_cancelled_or_timed_out_get_over_shared_memo
     """GET mode where auto picks it (one host, shared memory): after the call returns, the
     caller's blocks keep what it wrote. (Here UCX finishes such GETs inside the post, so the
     fence finds nothing to wait for; over UCX TCP with read_mode="get" forced, the fence is
-    best effort: see the README.)"""
+    best effort: see docs/read-modes.md.)"""
     monkeypatch.delenv("UCX_TLS", raising=False)
     local = numpy_cache(16, 4 << 20, 1)
     ids = list(range(16))
@@ -329,7 +329,7 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(
         assert child.running
     assert zero_resources(eng)
     if late:
-        # A known gap, reported rather than hidden (README, "Push reads"): closing our NIXL
+        # A known gap, reported rather than hidden (docs/read-modes.md, "Known gap"): closing our NIXL
         # connection to the stopped server does not always stop the PUT chunk it had under
         # way over UCX tcp; once it resumes, up to a chunk can still land (seen in 3 of 4
         # fresh-clone CI runs on 2026-12-04, ~0.8-1 MB). Everything else above is still asserted.

@@ -115,7 +115,7 @@ class Context:
 
     def restart_target(self, why: str) -> None:
         """The prefill process died (a peer's abort can kill a UCX GET target: see the
-        README's threaded-model close): start a fresh one so that the run goes on."""
+        threaded-model close in benchmarks/README.md): start a fresh one so that the run goes on."""
         assert self.target_factory is not None
         code = self.target.proc.returncode
         self.target.stop()
