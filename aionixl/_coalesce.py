@@ -150,6 +150,10 @@ _WAKE_CHUNK = 128
 
 
 
+#: A member that joined: its request, its entry, when it called, its time limit.
+Joined = tuple[Batch, _Entry, float, float]
+
+
 class Coalescer:
     """The merged requests of one engine: gathering, posting, members waiting and leaving."""
 
@@ -177,7 +181,9 @@ class Coalescer:
         #: Who called last, and when: a call from another task right after it means
         #: callers are arriving together, and this one gathers.
         self._current_task: Callable[[], object] = _no_task
-        self._park: Callable[[list[object]], Awaitable[None]] = _unbound_park
+        #: ``await park(batch.waiters)``: a member sleeps until its request ends (or a
+        #: deadline among its members passes); the loop's cheapest parking, no frame.
+        self.park: Callable[[list[object]], Awaitable[None]] = _unbound_park
         self._unpark_all: Unpark = _unbound_unpark_all
         self._yield_now: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._wake_chunk = ALL  # until bind_loop: chunks only where cancels are redelivered
@@ -207,7 +213,7 @@ class Coalescer:
     def bind_loop(self, tools: LoopTools) -> None:
         """Called in the engine's event loop: learn its cheap task and parking tools."""
         self._current_task = tools.current_task
-        self._park = tools.park
+        self.park = tools.park
         self._unpark_all = tools.unpark_all
         self._yield_now = tools.yield_now
         self._redelivers_cancel = tools.redelivers_cancel
@@ -216,24 +222,11 @@ class Coalescer:
 
     # ---- who rides together -------------------------------------------------------------
 
-    def joinable(self, peer: Peer, op: Op, notify: bytes | None, timeout: float | None) -> list[Batch] | None:
-        """The merged requests to ``peer`` still gathering that a one-block call with these
-        arguments may join at once (None: take the general path)."""
-        batches = self.gathering.get((peer, op)) if self.gathering else None
-        if batches is None or self.owing:
-            return None
-        if notify is not None and (type(notify) is not bytes or not _may_ride(peer, notify)):
-            return None
-        if timeout is not None and not ((type(timeout) is float or type(timeout) is int)
-                                        and 0 < timeout < math.inf):
-            return None
-        return batches
-
     def together(self, peer: Peer, op: Op, started: float, message: bytes) -> bool:
         """Whether a call at ``started`` arrives together with others (then it rides in a
         merged request); notifications ride only to peers that drop a repeated tag (a
         re-post, ``_leave``, must not notify anyone twice)."""
-        if self.gathering.get((peer, op)) is None:
+        if not self.gathering or (peer, op) not in self.gathering:
             caller = self._current_task()
             together = (caller is not self._last_caller and started - self._last_call < self._window) \
                 or (self._returning > 0 and started - self._woke_at < _RETURNING)
@@ -245,25 +238,17 @@ class Coalescer:
         self._last_call = started
         return together and (not message or TAGGED_NOTIFY in peer.features)
 
-    async def join_one(self, batches: list[Batch], peer: Peer, op: Op, local_idx: Indices,
-                       remote_idx: Indices, block: int, source: int, notify: bytes | None,
-                       timeout: float | None) -> TransferResult | None:
-        """The commonest call under load: one block, joining a request still gathering.
-        None when none of them has room for it (the caller takes the general path)."""
-        batch = batches[-1]
-        # Room, and its block not written by another member from elsewhere.
-        if batch.blocks >= self.max_blocks or batch.dests.get(block, source) != source:
-            found = with_room(batches, (block,), source, 1, self.max_blocks)
-            if found is None:
-                return None
-            batch = found
-        started = _perf()
-        self._last_caller = _JOINED  # whoever calls next is "another task"
-        self._last_call = started
-        limit = self._config.transfer_timeout if timeout is None else timeout
-        entry: _Entry = (local_idx, remote_idx, 1, b"" if notify is None else notify, started + limit)
-        batch.add(entry, (block,), source)
-        return await self._member(batch, entry, started, limit)
+    def may_notify(self, peer: Peer, notify: object) -> bool:
+        """Whether a joining caller's ``notify`` may ride in a merged request as it is: bytes
+        outside the reserved prefix, to a peer that drops repeated tags (the general path
+        checks anything else)."""
+        return type(notify) is bytes and not notify.startswith(RESERVED) and TAGGED_NOTIFY in peer.features
+
+    def arrived(self) -> float:
+        """A call joins a merged request now: whoever calls next is "another task"."""
+        self._last_caller = _JOINED
+        started = self._last_call = _perf()
+        return started
 
     async def ride(self, peer: Peer, op: Op, local_idx: Indices, remote_idx: Indices, nblocks: int,
                    message: bytes, dest: object, src: object, started: float,
@@ -284,7 +269,7 @@ class Coalescer:
             batch = with_room(batches, dests, source, nblocks, self.max_blocks)
             if batch is not None:
                 batch.add(entry, dests, source)
-                return await self._member(batch, entry, started, limit)
+                return await self.member(batch, entry, started, limit)
         return await self._gather(peer, op, entry, dests, source, started, limit)
 
     async def _gather(self, peer: Peer, op: Op, entry: _Entry, dests: Sequence[int], source: int,
@@ -322,7 +307,7 @@ class Coalescer:
             raise
         self._stop_gathering(key, batch)
         self._post(batch)
-        return await self._member(batch, entry, started, limit)
+        return await self.member(batch, entry, started, limit)
 
     def _wake_members(self, waiters: list[object]) -> None:
         """A merged request ended: wake its members, counted as returning (see ``_returning``)."""
@@ -408,16 +393,29 @@ class Coalescer:
         elif status != PROC:
             self._peers.evict(peer, failed_in_nixl())
 
-    async def _member(self, batch: Batch, entry: _Entry, started: float, limit: float,
-                      woken: bool = False) -> TransferResult:
+    async def member(self, batch: Batch, entry: _Entry, started: float, limit: float,
+                     woken: bool = False, interrupted: BaseException | None = None) -> TransferResult:
         """Wait for a merged request as one of its callers; report this caller's part.
 
         No timer of its own (a cancel scope per member costs more than the transfer): the
-        poller wakes the members when the earliest deadline among them passes. ``woken``:
-        the caller parked once already (inline) and was woken, so look at the clock first.
+        poller wakes the members when the earliest deadline among them passes. A caller
+        that parked once already (``transfer_blocks``' joining path) passes how that ended:
+        ``woken`` (and :meth:`woke` said wait on) or ``interrupted`` (the park raised it).
         """
         try:
-            while batch.status == PROC:
+            back = interrupted is not None  # back from a park that woke() has not seen
+            while True:
+                if back:
+                    if interrupted is not None:
+                        exc, interrupted = interrupted, None
+                        if not await self._interrupted(batch, entry, exc):
+                            raise exc
+                    woken, back = True, False
+                    result = self.woke(batch, entry, started)
+                    if result is not None:
+                        return result
+                if batch.status != PROC:
+                    break
                 if woken and time.perf_counter() >= entry[4]:
                     if await self._leave(batch, entry):
                         raise TransferTimeoutError(
@@ -425,13 +423,10 @@ class Coalescer:
                             "it was aborted")
                     continue  # found ended on the way out
                 try:
-                    await self._park(batch.waiters)
+                    await self.park(batch.waiters)
                 except BaseException as exc:
-                    if not await self._interrupted(batch, entry, exc):
-                        raise
-                woken = True
-                if batch.status != PROC:
-                    self._returning -= 1
+                    interrupted = exc
+                back = True
             self._retire(batch)
             error = batch.error
             if error is not None or batch.status != DONE:
@@ -444,6 +439,24 @@ class Coalescer:
         except BaseException as exc:
             self.metrics.failed(exc, batch.peer, batch.op, entry[2], started)
             raise
+        result = self.woke(batch, entry, started, False)
+        assert result is not None  # DONE, no error
+        return result
+
+    def woke(self, batch: Batch, entry: _Entry, started: float, parked: bool = True
+             ) -> TransferResult | None:
+        """A member's result once its request moved its blocks; None while it waits on, or
+        when the request failed. ``parked``: it is back from a park, and is counted off the
+        returning members once the request ended."""
+        status = batch.status
+        if status == PROC:
+            return None
+        if parked:
+            self._returning -= 1
+        if status != DONE or batch.error is not None:
+            return None
+        if batch.handle != NO_HANDLE:
+            self._retire(batch)
         now = self._turns.last_yield = time.perf_counter()
         if entry[2] == 1:  # the commonest member: the cheaper recorder, same result
             return self.metrics.done_one(batch.op, started, batch.posted_at, batch.finished_at, now)
@@ -579,10 +592,6 @@ def _unbound_park(waiters: list[object]) -> Awaitable[None]:
 
 def _unbound_unpark_all(waiters: list[object], limit: int = 0, /) -> int:
     raise RuntimeError("Coalescer.bind_loop was not called")
-
-
-def _may_ride(peer: Peer, notify: bytes) -> bool:
-    return not notify.startswith(RESERVED) and TAGGED_NOTIFY in peer.features
 
 
 def with_room(batches: list[Batch], dests: Sequence[int], source: int, nblocks: int,

@@ -108,7 +108,7 @@ class Engine:
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers)
         self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
-                                    metrics, self._handshakes.connect)
+                                    metrics, turns, self._handshakes.connect)
         # The hot path: a call goes straight to the component's coroutine function (the
         # method below documents it and does the same; this skips one Python call).
         self.transfer_blocks = self._transfers.transfer_blocks  # type: ignore[method-assign]

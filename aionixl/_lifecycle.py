@@ -25,19 +25,34 @@ NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "cl
 class Lifecycle:
     """The engine's state, the failure that stopped it, and the calls to end on close."""
 
-    __slots__ = ("name", "state", "failure", "_op_scopes")
+    __slots__ = ("name", "usable", "_state", "_failure", "_op_scopes")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.state = NEW
-        #: A background task crashed: new calls are refused with this as the cause.
-        self.failure: BaseException | None = None
+        #: Open and healthy: the transfer path's one test (kept up to date by the setters).
+        self.usable = False
+        self._state = NEW
+        self._failure: BaseException | None = None
         self._op_scopes: set[anyio.CancelScope] = set()
 
     @property
-    def usable(self) -> bool:
-        """Open and healthy: the hot path's one test before :meth:`check_open`."""
-        return self.state is OPEN and self.failure is None
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        self._state = state
+        self.usable = state is OPEN and self._failure is None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """A background task crashed: new calls are refused with this as the cause."""
+        return self._failure
+
+    @failure.setter
+    def failure(self, failure: BaseException | None) -> None:
+        self._failure = failure
+        self.usable = self._state is OPEN and failure is None
 
     def check_open(self, *, draining_ok: bool = False) -> None:
         """Raise the ``EngineClosedError`` a caller should see, unless new work may start."""

@@ -28,6 +28,9 @@ from ._peer import Peer
 from ._peers import PeerTable
 from ._results import Op, TransferResult
 
+#: A posted request: its handle, its state, when the post returned, NIXL's telemetry.
+Posted = tuple[int, Status, float, "tuple[float, float, int] | None"]
+
 #: How long transfer_blocks may finish transfers inline before it yields to the loop: long
 #: while the loop has nothing else to run, short once a yield shows others were waiting
 #: (a yield that takes longer than _CROWDED).
@@ -73,40 +76,39 @@ class DirectPath:
         self._turns = turns
         self._inline_polls = config.inline_polls
 
-    async def post(self, peer: Peer, op: Op, local_idx: Indices, remote_idx: Indices, nblocks: int,
-                   message: bytes, timeout: float | None, started: float) -> TransferResult:
-        """Post one request for one caller; return once it is done (or raise, fenced)."""
+    def post(self, peer: Peer, op: Op, local_idx: Indices, remote_idx: Indices, nblocks: int,
+             message: bytes, started: float) -> Posted:
+        """Post one request for one caller, polled a few times inline. A request that
+        finished inside the post comes back DONE with ``NO_HANDLE``; any other is
+        ``wait``-ed for. A failed post is counted, and its peer evicted if it is gone."""
         agent = self._local.agent
         assert agent is not None
-        metrics = self._metrics
         try:
             handle, status = agent.start_xfer(op, self._local.dlist, local_idx, peer._dlist,
                                               remote_idx, message, self._inline_polls)
         except PeerDisconnectedError as exc:
-            raise metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
+            raise self._metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
         except AionixlError as exc:
-            metrics.failed(exc, peer, op, nblocks, started)
+            self._metrics.failed(exc, peer, op, nblocks, started)
             raise
-        posted, tel = agent.posted, agent.telemetry
-        if status is not DONE or handle != NO_HANDLE:
-            limit = self._config.transfer_timeout if timeout is None else timeout
-            try:
-                await self._table.finish(peer, handle, status, limit)
-            except BaseException as exc:
-                metrics.failed(exc, peer, op, nblocks, started)
-                if op == "read" and peer._connected:
-                    await self.fence(peer, local_idx, remote_idx)  # no late bytes
-                raise
-            tel = agent.telemetry
-            seen = now = self._turns.last_yield = time.perf_counter()
-        else:
-            # Finished inline, without a trip through the event loop. A caller looping on
-            # short transfers must still let other tasks run (and be cancellable).
-            seen = now = time.perf_counter()
-            turns = self._turns
-            if now - turns.last_yield > turns.slice:
-                now = await turns.take_turn(now)
-        return metrics.done(op, nblocks, started, posted, seen, now, tel)
+        return handle, status, agent.posted, agent.telemetry
+
+    async def wait(self, peer: Peer, op: Op, posted: Posted, local_idx: Indices, remote_idx: Indices,
+                   nblocks: int, timeout: float | None, started: float) -> TransferResult:
+        """Wait for a posted request through the poller; a read that ends early is fenced."""
+        handle, status, posted_at, _ = posted
+        limit = self._config.transfer_timeout if timeout is None else timeout
+        try:
+            await self._table.finish(peer, handle, status, limit)
+        except BaseException as exc:
+            self._metrics.failed(exc, peer, op, nblocks, started)
+            if op == "read" and peer._connected:
+                await self.fence(peer, local_idx, remote_idx)  # no late bytes
+            raise
+        agent = self._local.agent
+        telemetry = None if agent is None else agent.telemetry
+        seen = self._turns.last_yield = time.perf_counter()
+        return self._metrics.done(op, nblocks, started, posted_at, seen, seen, telemetry)
 
     async def fence(self, peer: Peer, local_idx: Indices, remote_idx: Indices) -> None:
         """After an aborted GET: one more small READ from the same peer, or evict it.
