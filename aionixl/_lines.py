@@ -54,3 +54,30 @@ def write_file(stream: IO[str], fields: dict[str, Any]) -> None:
     """Write one message to a text stream and flush it."""
     stream.write(encode_line(fields).decode())
     stream.flush()
+
+
+class LineReader:
+    """Messages out of a byte stream that arrives in chunks (a pipe read with ``os.read``).
+
+    ``feed`` each chunk as it comes; ``pop`` returns the next complete message, skipping
+    lines that are not messages, or None until another one is complete. Lines are split
+    at newlines only (``str.splitlines`` would also split at the prefix's first byte).
+    """
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk
+
+    def pop(self) -> dict[str, Any] | None:
+        while True:
+            line, newline, rest = self._buffer.partition(b"\n")
+            if not newline:
+                return None
+            self._buffer = rest
+            message = decode_line(line)
+            if message is not None:
+                return message

@@ -25,7 +25,7 @@ import anyio
 import numpy as np
 
 import aionixl
-from aionixl._lines import decode_line, write_file
+from aionixl._lines import LineReader, write_file
 from aionixl.testing import make_caches
 
 
@@ -186,18 +186,14 @@ async def main() -> None:
         driver.engine = engine
         write_file(sys.stdout, {"event": "ready", "name": engine.name, "address": engine.address})
         fd = sys.stdin.fileno()
-        buffer = b""
+        reader = LineReader()
         while True:
             await anyio.wait_readable(fd)
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                cmd = decode_line(line)
-                if cmd is None:
-                    continue
+            reader.feed(chunk)
+            while (cmd := reader.pop()) is not None:
                 try:
                     reply = await driver.run(cmd)
                 except Exception as exc:

@@ -14,7 +14,7 @@ import numpy as np
 
 from aionixl._bench._child import module_command
 from aionixl._bench._memory import expected_words
-from aionixl._lines import decode_line, encode_line
+from aionixl._lines import LineReader, encode_line
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ class VllmPrefill:
         finally:
             os.close(write_fd)
         self._fd = read_fd
-        self._buf = b""
+        self._reader = LineReader()
         self.events: list[dict[str, Any]] = []
         self.ready: dict[str, Any] = {}
 
@@ -49,12 +49,9 @@ class VllmPrefill:
         chunk = os.read(self._fd, 65536)
         if not chunk:
             raise RuntimeError(f"the vLLM prefill exited (code {self.proc.poll()})")
-        self._buf += chunk
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            event = decode_line(line)
-            if event is not None:
-                self.events.append(event)
+        self._reader.feed(chunk)
+        while (event := self._reader.pop()) is not None:
+            self.events.append(event)
         return True
 
     def wait_for(self, predicate: Any, timeout: float) -> dict[str, Any]:

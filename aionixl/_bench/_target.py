@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .._lines import decode_line, encode_line
+from .._lines import LineReader, encode_line
 from ._child import module_command
 
 #: The child, a module of this package (not imported here: it loads NIXL and the engine).
@@ -55,7 +55,7 @@ class Target:
         finally:
             os.close(write_fd)
         self._fd = read_fd
-        self._buf = b""
+        self._reader = LineReader()
         self.units: list[Unit] = []
         self.layout: dict[str, Any] = {}
         self.aionixl_path = ""
@@ -66,24 +66,22 @@ class Target:
         """The child's next message (lines that are not one are skipped)."""
         deadline = time.monotonic() + timeout
         while True:
-            while b"\n" not in self._buf:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TargetError(f"the prefill process did not answer within {timeout:.0f} s")
-                ready, _, _ = select.select([self._fd], [], [], left)
-                if ready:
-                    chunk = os.read(self._fd, 65536)
-                    if not chunk:
-                        code = self.proc.poll()
-                        raise TargetError(f"the prefill process exited (code {code}); its output is above")
-                    self._buf += chunk
-            line, self._buf = self._buf.split(b"\n", 1)
             try:
-                message = decode_line(line)
+                message = self._reader.pop()
             except ValueError as exc:
                 raise TargetError(f"the prefill process: {exc}") from None
             if message is not None:
                 return message
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TargetError(f"the prefill process did not answer within {timeout:.0f} s")
+            ready, _, _ = select.select([self._fd], [], [], left)
+            if ready:
+                chunk = os.read(self._fd, 65536)
+                if not chunk:
+                    code = self.proc.poll()
+                    raise TargetError(f"the prefill process exited (code {code}); its output is above")
+                self._reader.feed(chunk)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         message = self._message(timeout)

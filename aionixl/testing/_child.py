@@ -100,19 +100,15 @@ async def _serve(spec: Spec, control: int) -> None:
                     reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
                 _lines.write_fd(control, {"id": request.id, **reply})
 
-            buffer = b""
+            reader = _lines.LineReader()
             stop = False
             while not stop:
                 await anyio.wait_readable(0)
                 chunk = os.read(0, 65536)
                 if not chunk:
                     break  # the parent went away or closed our stdin: stop
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    fields = _lines.decode_line(line)
-                    if fields is None:
-                        continue
+                reader.feed(chunk)
+                while (fields := reader.pop()) is not None:
                     request = msgspec.convert(fields, Request)
                     if request.op == "stop":
                         stop = True

@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 
 import aionixl
-from aionixl._lines import decode_line, write_fd
+from aionixl._lines import LineReader, write_fd
 
 from .._memory import KVMemory
 from .threaded_connector import MetadataListener, encode_metadata
@@ -66,18 +66,14 @@ async def spin(progress: list[Callable[[], Any]], state: State) -> None:
 
 async def commands(fd: int, state: State) -> None:
     stdin = sys.stdin.fileno()
-    buf = b""
+    reader = LineReader()
     while True:
         await anyio.wait_readable(stdin)
         chunk = os.read(stdin, 4096)
         if not chunk:
             return
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            message = decode_line(line)
-            if message is None:
-                continue
+        reader.feed(chunk)
+        while (message := reader.pop()) is not None:
             cmd = str(message.get("cmd"))
             if cmd in ("spin", "rest"):
                 state.spinning = cmd == "spin"

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..._lines import decode_line, encode_line
+from ..._lines import LineReader, encode_line
 from .._child import module_command
 
 
@@ -45,16 +45,13 @@ class Child:
             os.close(write_fd)
         self.name = module
         self._fd = read_fd
-        self._buf = b""
+        self._reader = LineReader()
 
     def line(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                msg = decode_line(line)
-                if msg is None:
-                    continue  # not a message (the child's own output never comes here)
+            msg = self._reader.pop()
+            if msg is not None:
                 if msg.get("error"):
                     raise RuntimeError(f"{self.name}: {msg['error']}")
                 return msg
@@ -66,7 +63,7 @@ class Child:
                 chunk = os.read(self._fd, 1 << 20)
                 if not chunk:
                     raise RuntimeError(f"{self.name} exited (code {self.proc.wait()})")
-                self._buf += chunk
+                self._reader.feed(chunk)
 
     def ask(self, cmd: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
         assert self.proc.stdin is not None

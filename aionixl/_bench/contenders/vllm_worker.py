@@ -40,7 +40,7 @@ os.environ.setdefault("VLLM_KV_CACHE_LAYOUT", "LBHNC")
 
 import numpy as np
 
-from ..._lines import decode_line, write_file
+from ..._lines import LineReader, write_file
 from .._memory import expected_words
 
 
@@ -290,7 +290,7 @@ def main() -> None:
                     "threads": thread_count(),
                     "vllm_affinity": side.affinity, "affinity": sorted(os.sched_getaffinity(0))}})
     fd = sys.stdin.fileno()
-    buf = b""
+    reader = LineReader()
     try:
         while True:
             ready, _, _ = select.select([fd], [], [], args.step_ms / 1e3)
@@ -298,12 +298,8 @@ def main() -> None:
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     break
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    cmd = decode_line(line)
-                    if cmd is None:
-                        continue
+                reader.feed(chunk)
+                while (cmd := reader.pop()) is not None:
                     if cmd["op"] == "hold":
                         loop.hold(cmd["req"], float(cmd["lease_s"]))
                         loop.step()
