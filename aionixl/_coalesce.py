@@ -387,7 +387,7 @@ class Coalescer:
             batch.finish(DONE)
             return
         batch.handle = handle
-        self._table.add(handle, batch)
+        self._table.add(handle, batch, status == PROC)
         if status == DONE:
             batch.finish(DONE)
         elif status != PROC:

@@ -104,10 +104,11 @@ class InFlightTable:
 
     # ---- adding and waiting -------------------------------------------------------------
 
-    def add(self, handle: int, rec: InFlight) -> None:
-        """Track a posted request; the poller checks it from its next turn on."""
+    def add(self, handle: int, rec: InFlight, running: bool) -> None:
+        """Track a posted request; the poller checks it from its next turn on (woken for it
+        when it is ``running``: one that ended in its post is only released later)."""
         self.records[handle] = rec
-        if rec.status == PROC:
+        if running:
             self._wakeup.set()
 
     def defer(self, call: Callable[[], None]) -> None:

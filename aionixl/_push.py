@@ -391,7 +391,7 @@ class Pusher:
                 rec = InFlight(peer, table.new_event)
                 if status != PROC:
                     rec.finish(status, TransferError("NIXL reported the write failed (ERR)"))
-                table.add(handle, rec)
+                table.add(handle, rec, status == PROC)
                 timed_out = False
                 try:
                     with anyio.move_on_after(max(0.0, job.deadline - anyio.current_time())):

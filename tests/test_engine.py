@@ -1002,3 +1002,22 @@ async def test_an_eviction_as_a_lone_transfer_ends_leaves_its_result_and_reads_n
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
+
+
+async def test_a_registration_that_fails_at_start_raises_its_error_and_leaves_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL refusing the KV-cache memory while the engine opens surfaces as that error (not
+    an assertion from the close that follows it), and the close releases the agent."""
+    from aionixl import _nixl
+
+    def refuse(self: Any, spans: Any, mem_type: str) -> None:
+        raise aionixl.AionixlError("registering KV-cache memory: refused by the test")
+
+    monkeypatch.setattr(_nixl.Agent, "register", refuse)
+    engine = aionixl.Engine(unique("refused"), numpy_cache(8, 1024, 2))
+    with pytest.raises(aionixl.AionixlError, match="refused by the test"):
+        async with engine:
+            pytest.fail("the engine opened")
+    assert engine.closed
+    assert engine.live_resources() == {"transfer_handles": 0, "dlists": 0, "remote_agents": 0,
+                                       "registrations": 0, "in_flight": 0, "parked_handles": 0}
