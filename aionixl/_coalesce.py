@@ -150,10 +150,6 @@ _WAKE_CHUNK = 128
 
 
 
-#: A member that joined: its request, its entry, when it called, its time limit.
-Joined = tuple[Batch, _Entry, float, float]
-
-
 class Coalescer:
     """The merged requests of one engine: gathering, posting, members waiting and leaving."""
 

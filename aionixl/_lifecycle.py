@@ -109,9 +109,3 @@ class LocalSide:
         self.metadata = b""
         #: The zmq context handshakes use (created when the engine opens).
         self.zctx: zmq.Context[zmq.Socket[bytes]] | None = None
-
-    def require_agent(self) -> Agent:
-        agent = self.agent
-        if agent is None:
-            raise EngineClosedError(f"engine {self.name!r} has no NIXL agent (not open)")
-        return agent
