@@ -171,8 +171,8 @@ def test_children_start_as_modules_of_this_aionixl() -> None:
     import aionixl
     from aionixl._bench._child import module_command
 
-    argv, env = module_command("aionixl._bench.contenders.target", "--peers", "1",
+    argv, env = module_command("aionixl_contenders.target", "--peers", "1",
                                env={"PYTHONPATH": os.pathsep.join(["/elsewhere", ""])})
-    assert argv == [sys.executable, "-m", "aionixl._bench.contenders.target", "--peers", "1"]
+    assert argv == [sys.executable, "-m", "aionixl_contenders.target", "--peers", "1"]
     root = str(Path(aionixl.__file__).resolve().parent.parent)
     assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]

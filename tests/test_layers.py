@@ -175,3 +175,29 @@ def _file_imports(path: Path, nodes: set[str]) -> set[str]:
                         out.add(target)
     out.discard(".".join(rel.with_suffix("").parts))
     return out
+
+
+#: What the engine package promises not to do, and where NIXL may be called from.
+_NO_THREADS = ("threading", "concurrent.futures", "zmq.asyncio")
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_engine_package_starts_no_threads_sleeps_no_blocking_sleep_and_calls_nixl_in_one_module(
+        path: Path) -> None:
+    tree = ast.parse(path.read_text(), str(path))
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.add(node.module)
+    where = path.relative_to(PACKAGE)
+    assert not {m for m in imported if m.split(".")[0] in ("threading",) or m.startswith(_NO_THREADS)}, \
+        f"{where} imports a thread or executor module"
+    assert "to_thread" not in path.read_text(), f"{where} hands work to a thread"
+    sleeps = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+              and node.attr == "sleep" and isinstance(node.value, ast.Name) and node.value.id == "time"]
+    assert not sleeps, f"{where}:{sleeps[0]} sleeps blocking (time.sleep)"
+    if where != Path("_nixl.py"):
+        nixl = sorted(m for m in imported if m.split(".")[0] == "nixl" or m.startswith("nixl_"))
+        assert not nixl, f"{where} imports {nixl}: only _nixl.py talks to NIXL"

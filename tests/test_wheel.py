@@ -39,8 +39,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     tmp = tmp_path_factory.mktemp("aionixl-wheel")
     assert ROOT not in tmp.resolve().parents
     src = tmp / "src"
-    shutil.copytree(ROOT / "aionixl", src / "aionixl",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for package in ("aionixl", "aionixl_contenders"):
+        shutil.copytree(ROOT / package, src / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
     dist, site, work = tmp / "dist", tmp / "site", tmp / "work"
@@ -63,7 +64,7 @@ def _env(site: Path) -> dict[str, str]:
 def test_the_wheel_holds_the_contenders(installed: tuple[Path, Path]) -> None:
     site, work = installed
     proc = subprocess.run(
-        [sys.executable, "-c", "import aionixl, aionixl._bench.contenders as c; "
+        [sys.executable, "-c", "import aionixl, aionixl_contenders as c; "
          "print(aionixl.__file__); print(c.__file__)"],
         capture_output=True, text=True, timeout=60, env=_env(site), cwd=work)
     assert proc.returncode == 0, proc.stderr
@@ -71,7 +72,7 @@ def test_the_wheel_holds_the_contenders(installed: tuple[Path, Path]) -> None:
     assert len(files) == 2
     for f in files:
         assert site.resolve() in f.resolve().parents, (f, site)
-    contenders = site / "aionixl" / "_bench" / "contenders"
+    contenders = site / "aionixl_contenders"
     for name in ("bare_nixl", "threaded", "threaded_connector", "target", "vllm_contender",
                  "vllm_worker", "vllm_decode"):
         assert (contenders / f"{name}.py").is_file(), name

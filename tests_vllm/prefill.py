@@ -1,4 +1,4 @@
-"""Starts and steers ``python -m aionixl._bench.contenders.vllm_worker``: a real vLLM prefill worker."""
+"""Starts and steers ``python -m aionixl_contenders.vllm_worker``: a real vLLM prefill worker."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class VllmPrefill:
         read_fd, write_fd = os.pipe()
         try:
             # The worker picks its own ports as it binds them (vllm_worker.free_port).
-            argv, env = module_command("aionixl._bench.contenders.vllm_worker", "--fd", str(write_fd),
+            argv, env = module_command("aionixl_contenders.vllm_worker", "--fd", str(write_fd),
                                        "--layers", str(layers), "--blocks", str(blocks),
                                        "--lease-s", str(lease_s))
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """aionixl as the decode side of a real vLLM NixlConnector prefill worker.
 
-The prefill is vLLM's own connector (``aionixl._bench.contenders.vllm_worker``, a child
+The prefill is vLLM's own connector (``aionixl_contenders.vllm_worker``, a child
 process driving it like vLLM's engine loop): its side-channel listener, its NIXL agent, its
 lease and notification handling. Bytes are checked against the pattern the worker wrote;
 what the prefill saw (notifications, freed requests, lease moves) comes from its events.

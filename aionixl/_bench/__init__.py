@@ -1,10 +1,12 @@
 """``aionixl bench``: aionixl against bare NIXL, a threaded-connector model and memcpy.
 
 Two processes on loopback: this one is the decode side (every contender reads into the same
-cache here), a child is the prefill side (``python -m aionixl._bench.contenders.target``:
+cache here), a child is the prefill side (``python -m aionixl_contenders.target``:
 aionixl engines on a cache with a known pattern, progressed tightly while measuring). The
 contenders that need raw NIXL calls, threads or vLLM are modules of
-:mod:`aionixl._bench.contenders`, so an installed wheel runs the whole bench. Progress goes
+:mod:`aionixl_contenders`, a package of their own in the same wheel (outside ``aionixl``,
+which runs no threads and calls NIXL only through ``aionixl._nixl``), so an installed
+wheel runs the whole bench. Progress goes
 to stderr, the tables to stdout.
 """
 
@@ -77,12 +79,12 @@ def make_spec(args: argparse.Namespace) -> Spec:
     return replace(spec, **changes)
 
 
-#: Contender name -> its module under aionixl._bench.contenders (imported when it runs).
+#: Contender name -> its module under aionixl_contenders (imported when it runs).
 _MODULES = {"bare": "bare_nixl", "threaded": "threaded", "vllm": "vllm_contender"}
 
 
 def _contender(name: str) -> Any:
-    return importlib.import_module(f"{__name__}.contenders.{_MODULES[name]}")
+    return importlib.import_module(f"aionixl_contenders.{_MODULES[name]}")
 
 
 def _machine(spec: Spec, ucx_tls: str | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """How the bench starts its child processes: ``python -m <module>`` of this very aionixl.
 
-Children are modules of the installed package (``aionixl._bench.contenders.*``), never
+Children are modules of the installed package (``aionixl_contenders.*``), never
 files of a source checkout, so ``aionixl bench`` runs from a wheel. The child gets this
 process's interpreter, and the folder this process imported aionixl from goes first on its
 ``PYTHONPATH``: ``-m`` would otherwise put the child's working directory first, where an

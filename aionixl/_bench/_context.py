@@ -1,6 +1,6 @@
 """What every contender gets: the spec, both sides' memory, the prefill units, workloads.
 
-The contenders under :mod:`aionixl._bench.contenders` receive this object too (typed as
+The contenders under :mod:`aionixl_contenders` receive this object too (typed as
 ``Any`` there); they use only the attributes and methods documented here.
 """
 

@@ -15,13 +15,13 @@ CONTENDERS: dict[str, tuple[str, str]] = {
              "at a time, in-flight rows the batched loop (post N, then poll all)"),
     "threaded": ("threaded model", "a MODEL of the thread-based connector design (listener "
                  "thread on a zmq ROUTER with a 1 s receive timeout, one-worker handshake executor, "
-                 "transfers polled once per engine step); aionixl/_bench/contenders/threaded_connector.py"),
+                 "transfers polled once per engine step); aionixl_contenders/threaded_connector.py"),
     "memcpy": ("numpy.copyto", "copies of the same bytes inside this process, no NIXL: the "
                "memory-bandwidth limit"),
     "asyncio": ("aionixl asyncio", "aionixl.Engine with its default config, on asyncio"),
     "trio": ("aionixl trio", "aionixl.Engine with its default config, on trio"),
     "vllm": ("vLLM connector", "vLLM's real NixlConnector (pull/READ) in a decode worker process "
-             "reading from a vLLM prefill worker process (aionixl/_bench/contenders/vllm_decode.py, "
+             "reading from a vLLM prefill worker process (aionixl_contenders/vllm_decode.py, "
              "vllm_worker.py); --with-vllm only"),
 }
 ORDER = ["bare", "threaded", "memcpy", "asyncio", "trio", "vllm"]

@@ -1,6 +1,6 @@
 """The prefill-side child process, seen from the benchmark: start, wait, steer, stop.
 
-The child is ``python -m aionixl._bench.contenders.target`` (:func:`._child.module_command`).
+The child is ``python -m aionixl_contenders.target`` (:func:`._child.module_command`).
 It answers over a pipe of its own (its stdout goes to our stderr, so NIXL/UCX log lines
 never reach the table); both directions speak :mod:`aionixl._lines`.
 """
@@ -21,7 +21,7 @@ from .._lines import LineReader, encode_line
 from ._child import module_command
 
 #: The child, a module of this package (not imported here: it loads NIXL and the engine).
-MODULE = "aionixl._bench.contenders.target"
+MODULE = "aionixl_contenders.target"
 
 
 class TargetError(RuntimeError):

@@ -1,9 +1,9 @@
 """vLLM's real NixlConnector as a contender of ``aionixl bench --with-vllm``.
 
 Two child processes under this interpreter (which must have vLLM): a vLLM prefill worker
-(``python -m aionixl._bench.contenders.vllm_worker --quiet``: vLLM's connector pair over a
+(``python -m aionixl_contenders.vllm_worker --quiet``: vLLM's connector pair over a
 patterned KV cache, its engine loop stepping every 1 ms) and a vLLM decode worker
-(``python -m aionixl._bench.contenders.vllm_decode``: vLLM's connector in the pull role,
+(``python -m aionixl_contenders.vllm_decode``: vLLM's connector in the pull role,
 driven as vLLM's scheduler and engine loop would drive it). This module steers
 them and turns their answers into the bench's samples.
 
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..._lines import LineReader, encode_line
-from .._child import module_command
+from aionixl._bench._child import module_command
+from aionixl._lines import LineReader, encode_line
 
 
 class Child:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .._memory import block_descriptors, registration_spans
+from aionixl._bench._memory import block_descriptors, registration_spans
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config

@@ -1,7 +1,7 @@
 """A real vLLM NixlConnector decode worker (pull role: READ), for ``aionixl bench --with-vllm``.
 
 Runs under a venv with vLLM (``./run vllm-setup``), as
-``python -m aionixl._bench.contenders.vllm_decode``, beside a prefill worker
+``python -m aionixl_contenders.vllm_decode``, beside a prefill worker
 (:mod:`.vllm_worker`). It builds what a vLLM decode instance would (``VllmSide`` in the
 consumer role: a WORKER-role connector that registers the KV cache, and a SCHEDULER-role
 connector whose side-channel listener serves this worker's metadata) and then plays vLLM's
@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from ..._lines import decode_line, write_file
-from .._memory import expected_words
+from aionixl._bench._memory import expected_words
+from aionixl._lines import decode_line, write_file
+
 from .vllm_worker import VllmSide, free_port, thread_count
 
 

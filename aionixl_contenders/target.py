@@ -1,6 +1,6 @@
 """The prefill side of ``aionixl bench``: serves a KV cache filled with a known pattern.
 
-Started by the benchmark as a child process (``python -m aionixl._bench.contenders.target``,
+Started by the benchmark as a child process (``python -m aionixl_contenders.target``,
 see :class:`aionixl._bench._target.Target`), not by hand. It hosts ``--peers`` units on one
 shared cache; each unit is an aionixl Engine (the real product, with its handshake listener)
 plus a metadata listener thread (the prefill side of the threaded-connector model) that
@@ -37,12 +37,12 @@ from typing import Any
 import anyio
 
 import aionixl
+from aionixl._bench._memory import KVMemory
 from aionixl._lines import LineReader, write_fd
 
-from .._memory import KVMemory
 from .threaded_connector import MetadataListener, encode_metadata
 
-MODULE = "aionixl._bench.contenders.target"
+MODULE = "aionixl_contenders.target"
 
 
 class State:

@@ -1,7 +1,7 @@
 """A real vLLM NixlConnector prefill worker, without a model's weights (tests and bench).
 
 Runs under a venv with vLLM (``./run vllm-setup``), as
-``python -m aionixl._bench.contenders.vllm_worker``. It builds what vLLM's engine would:
+``python -m aionixl_contenders.vllm_worker``. It builds what vLLM's engine would:
 a config-only tiny Llama (a local ``config.json``, no weights, no tokenizer), a gloo world
 of one, a KV cache as per-layer views of one flat buffer (vLLM's ``create_kv_cache_views``,
 layout LBHNC: one region per layer, K and V in one page) filled with a known pattern, a
@@ -40,8 +40,8 @@ os.environ.setdefault("VLLM_KV_CACHE_LAYOUT", "LBHNC")
 
 import numpy as np
 
-from ..._lines import LineReader, write_file
-from .._memory import expected_words
+from aionixl._bench._memory import expected_words
+from aionixl._lines import LineReader, write_file
 
 
 def thread_count() -> int:

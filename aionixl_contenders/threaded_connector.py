@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from .._context import Context
-from .._memory import block_descriptors
+from aionixl._bench._context import Context
+from aionixl._bench._memory import block_descriptors
 
 GET_METADATA = b"get-metadata"
 RECV_TIMEOUT_MS = 1000
