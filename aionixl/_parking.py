@@ -67,8 +67,7 @@ def loop_tools() -> LoopTools:
         import asyncio.tasks
 
         loop = asyncio.get_running_loop()
-        # The running task of this loop, read straight from asyncio's own table.
-        current = functools.partial(asyncio.tasks._current_tasks.get, loop)  # type: ignore[attr-defined]
+        current = _asyncio_current_task(asyncio, loop)
         # asyncio's own loops build a plain Future: made here directly, without the Python
         # frame of BaseEventLoop.create_future (other loops keep their own factory).
         new_future: Callable[[], asyncio.Future[Any]] = loop.create_future
@@ -97,6 +96,28 @@ def loop_tools() -> LoopTools:
 
         return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all, _asyncio_yield,
                          True, recancel)
+
+
+def _asyncio_current_task(asyncio: Any, loop: Any) -> Callable[[], Any]:
+    """The running task of ``loop``: read straight from asyncio's private task table where
+    that table answers right now (a dict lookup, a third of ``current_task(loop)``'s cost),
+    else the public ``asyncio.current_task``. Python 3.14's C tasks keep the current task
+    in the thread state and leave the table empty (gh-129898); an interpreter or loop may not
+    have it at all. Decided once, from inside a running task (where the engine opens)."""
+    public = functools.partial(asyncio.current_task, loop)
+    table = _private_task_table(asyncio)
+    if table is not None:
+        fast = functools.partial(table.get, loop)
+        task = public()
+        if task is not None and fast() is task:
+            return fast
+    return public
+
+
+def _private_task_table(asyncio: Any) -> dict[Any, Any] | None:
+    """asyncio's table of running tasks by loop, if this interpreter has one by that name."""
+    table = getattr(asyncio.tasks, "_current_tasks", None)
+    return table if isinstance(table, dict) else None
 
 
 def _cancel_again(task: Any, cancelling: int, message: object) -> None:

@@ -479,10 +479,12 @@ async def test_bind_failure_raises_from_aenter_and_leaks_nothing() -> None:
         assert not new, f"threads started by the failed engines and left running: {new}"
 
 
-async def test_no_threads_are_started_and_none_are_left(anyio_backend: str) -> None:
+async def test_no_threads_are_started_and_none_are_left(
+        anyio_backend_name: str, anyio_backend_options: dict[str, Any]) -> None:
     # In a fresh interpreter: the test runner itself may keep worker threads around.
     script = HERE / "thread_check.py"
-    out = subprocess.run([sys.executable, str(script), anyio_backend], capture_output=True,
+    loop = "uvloop" if anyio_backend_options.get("use_uvloop") else anyio_backend_name
+    out = subprocess.run([sys.executable, str(script), loop], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report["python_threads_during"] == report["python_threads_before"]

@@ -141,8 +141,8 @@ class Harness:
 
 
 @pytest.fixture
-def harness(anyio_backend: str) -> Iterator[Harness]:
-    with start_blocking_portal(anyio_backend) as portal:
+def harness(anyio_backend_name: str, anyio_backend_options: dict[str, Any]) -> Iterator[Harness]:
+    with start_blocking_portal(anyio_backend_name, anyio_backend_options) as portal:
         with ExitStack() as stack:
             h = Harness(portal, stack)
             yield h

@@ -13,12 +13,12 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(params=["fast", "public"])
-def tools(request: pytest.FixtureRequest, anyio_backend: str,
+def tools(request: pytest.FixtureRequest, anyio_backend_name: str,
           monkeypatch: pytest.MonkeyPatch) -> str:
     """On trio, both trio's internals ("fast": the prebuilt wait message, the run's own
     scheduler) and its public functions (the fallback for a trio without those)."""
     if request.param == "public":
-        if anyio_backend != "trio":
+        if anyio_backend_name != "trio":
             pytest.skip("only trio has a fallback")
         monkeypatch.setattr(_parking, "_trio_sleep", lambda abort: None)
         monkeypatch.setattr(_parking, "_trio_run_context", lambda: None)

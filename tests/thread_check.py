@@ -56,4 +56,8 @@ async def main() -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(anyio.run(main, backend=sys.argv[1])))
+    # "asyncio", "trio", or "uvloop" (asyncio on uvloop's loop)
+    loop = sys.argv[1]
+    uvloop = {"use_uvloop": True} if loop == "uvloop" else {}
+    backend = "asyncio" if uvloop else loop
+    print(json.dumps(anyio.run(main, backend=backend, backend_options=uvloop)))
