@@ -174,7 +174,12 @@ class Engine:
         }
 
     def metrics(self) -> EngineMetrics:
-        """Counters, gauges and latency histograms, copied now (docs/metrics.md)."""
+        """Counters, gauges and latency histograms, copied now (docs/metrics.md).
+
+        Safe from any thread, e.g. a Prometheus server's: it only reads (the transfer
+        counters through a seqlock, see ``TransferMetrics.snapshot``; the in-flight table
+        through a copy), so it never counts a transfer twice. Fields are read one after
+        another: each is exact, two of them may be a few transfers apart."""
         peers, mailbox = self._peers, self._mailbox
         return EngineMetrics(
             engine=self._name,

@@ -172,8 +172,11 @@ class InFlightTable:
         return any(rec.peer is peer for rec in self.records.values())
 
     def callers(self) -> int:
-        """Callers waiting on posted requests (a merged request counts its members)."""
-        return sum(rec.callers for rec in self.records.values() if rec.status == PROC)
+        """Callers waiting on posted requests (a merged request counts its members).
+
+        Safe from any thread (``Engine.metrics``): it counts over a copy of the table,
+        taken in one step, never over the dict the event loop changes."""
+        return sum(rec.callers for rec in list(self.records.values()) if rec.status == PROC)
 
     def fail_peer(self, peer: Peer, error: AionixlError) -> None:
         """The peer is gone: its transfers fail with ``error``, their handles released."""

@@ -1,18 +1,20 @@
 """Engine metrics: counters kept on the transfer path, and the snapshot users read.
 
-The transfer path only appends each finished transfer's ``TransferResult`` to a list (no
-other object is created per transfer); those are folded into counters and histograms with
-numpy in bulk. :meth:`TransferMetrics.snapshot` copies them into frozen dataclasses, which
-is where the cost of reading metrics goes (whoever calls :meth:`Engine.metrics` pays it).
-Failed transfers are counted by outcome and logged, one structured record each, through the
-engine's rate limiter.
+The transfer path only appends each finished transfer's numbers to a list (no other object
+is created per transfer); every :data:`_RING` transfers the engine's event loop folds those
+into counters and histograms with numpy in bulk. :meth:`TransferMetrics.snapshot` copies
+the counters and the lists and folds the copies, which is where the cost of reading metrics
+goes (whoever calls :meth:`Engine.metrics` pays it); it never changes the engine's own, so
+it is safe from any thread (see :meth:`TransferMetrics.snapshot`). Failed transfers are
+counted by outcome and logged, one structured record each, through the engine's rate
+limiter.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
@@ -50,28 +52,78 @@ Exc = TypeVar("Exc", bound=BaseException)
 _perf = time.perf_counter
 
 
-class TransferMetrics(Generic[Result]):
-    """Per-op counters and histograms of one engine's transfers (index 0 read, 1 write).
+class _Counters:
+    """Per-op counters and histograms of finished transfers (index 0 read, 1 write)."""
 
-    ``done`` is the per-transfer hook: a closure (cell variables are cheaper to reach than
-    attributes) that builds the ``TransferResult`` and keeps it in its op's list; every
-    :data:`_RING` transfers of an op, and before a snapshot, ``flush`` folds the kept
-    results into the counters with numpy. Per transfer that is one append, not a bisect
-    into each histogram.
-    Failures are counted directly by :meth:`failed`.
-    """
+    __slots__ = ("outcomes", "bytes", "seconds", "seconds_sum", "post", "post_sum")
 
-    __slots__ = ("outcomes", "bytes", "seconds", "seconds_sum", "post", "post_sum",
-                 "done", "done_one", "flush", "_bytes_per_block", "_noisy")
-
-    def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
-                 noisy: RateLimitedLog) -> None:
+    def __init__(self) -> None:
         self.outcomes = [[0] * len(OUTCOMES) for _ in OPS]
         self.bytes = [0, 0]
         self.seconds = [[0] * _BUCKETS for _ in OPS]  # call to return, finished transfers
         self.seconds_sum = [0.0, 0.0]
         self.post = [[0] * _BUCKETS for _ in OPS]  # creating and posting the NIXL request
         self.post_sum = [0.0, 0.0]
+
+    def copy(self) -> _Counters:
+        """A copy, list by list (each slice is one step for any other thread)."""
+        c = _Counters.__new__(_Counters)
+        c.outcomes = [row[:] for row in self.outcomes]
+        c.bytes = self.bytes[:]
+        c.seconds = [row[:] for row in self.seconds]
+        c.seconds_sum = self.seconds_sum[:]
+        c.post = [row[:] for row in self.post]
+        c.post_sum = self.post_sum[:]
+        return c
+
+    def fold(self, rings: Sequence[list[float]], bytes_per_block: int) -> None:
+        """Count the finished transfers kept in ``rings`` (reads, writes: blocks, seconds,
+        post seconds each; reads and writes of one block: seconds, post seconds each)."""
+        for w in (0, 1):
+            if ring := rings[w]:
+                table = np.array(ring, np.float64).reshape(-1, 3)
+                self._fold(w, table[:, 0].astype(np.int64), table[:, 1], table[:, 2],
+                           bytes_per_block)
+            if ring := rings[2 + w]:
+                table = np.array(ring, np.float64).reshape(-1, 2)
+                self._fold(w, np.ones(len(table), np.int64), table[:, 0], table[:, 1],
+                           bytes_per_block)
+
+    def _fold(self, w: int, blocks: npt.NDArray[np.int64], seconds: npt.NDArray[np.float64],
+              post: npt.NDArray[np.float64], bytes_per_block: int) -> None:
+        self.outcomes[w][0] += len(blocks)
+        self.bytes[w] += int(blocks.sum()) * bytes_per_block
+        for hist, sums, values in ((self.seconds[w], self.seconds_sum, seconds),
+                                   (self.post[w], self.post_sum, post)):
+            # side="left": a value equal to a bound counts in that bound's bucket (le).
+            found = np.bincount(np.searchsorted(_BOUNDS_ARRAY, values, side="left"),
+                                minlength=_BUCKETS)
+            for b in np.flatnonzero(found).tolist():
+                hist[b] += int(found[b])
+            sums[w] += float(values.sum())
+
+
+class TransferMetrics(_Counters, Generic[Result]):
+    """Per-op counters and histograms of one engine's transfers (index 0 read, 1 write).
+
+    ``done`` is the per-transfer hook: a closure (cell variables are cheaper to reach than
+    attributes) that builds the ``TransferResult`` and keeps its numbers in its op's list
+    (a ring); every :data:`_RING` transfers of an op, ``flush`` folds the rings into the
+    counters with numpy. Per transfer that is one append, not a bisect into each histogram.
+    Failures are counted directly by :meth:`failed`.
+
+    ``done``, ``done_one``, ``failed`` and ``flush`` run in the engine's event loop only;
+    :meth:`snapshot` runs anywhere (a seqlock: ``flush`` makes ``version`` odd while it
+    folds, and a snapshot that saw it odd or changed reads again).
+    """
+
+    __slots__ = ("done", "done_one", "flush", "version", "_rings", "_bytes_per_block", "_noisy")
+
+    def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
+                 noisy: RateLimitedLog) -> None:
+        super().__init__()
+        #: Folds so far, times two; odd while ``flush`` folds (see :meth:`snapshot`).
+        self.version = 0
         self._bytes_per_block = bytes_per_block
         self._noisy = noisy
         self.done, self.done_one, self.flush = self._recorder(result, bytes_per_block, regions)
@@ -90,6 +142,8 @@ class TransferMetrics(Generic[Result]):
         reads_one: list[float] = []
         writes_one: list[float] = []
         read_one, write_one = reads_one.append, writes_one.append
+        # Never replaced, only appended to and cleared: snapshots read the same lists.
+        rings = self._rings = (reads, writes, reads_one, writes_one)
 
         def done(op: str, nblocks: int, started: float, posted: float, seen: float, now: float,
                  telemetry: tuple[float, float, int] | None) -> Result:
@@ -109,7 +163,7 @@ class TransferMetrics(Generic[Result]):
                 post = telemetry[0]
                 res = _new_tuple(result, (nblocks, nblocks * bytes_per_block, seconds, *telemetry))
             ring = reads if op == "read" else writes
-            ring += (nblocks, seconds, post)
+            ring += (nblocks, seconds, post)  # one step for another thread: whole entries
             if len(ring) >= _RING_NUMBERS:
                 flush()
             return res
@@ -132,32 +186,17 @@ class TransferMetrics(Generic[Result]):
             return _new_tuple(result, (1, bytes_per_block, seconds, post, seen - started, regions))
 
         def flush() -> None:
-            """Fold the recorded transfers into the counters and histograms."""
-            for w, ring in enumerate((reads, writes)):
-                if ring:
-                    table = np.array(ring, np.float64).reshape(-1, 3)
+            """Fold the recorded transfers into the counters and histograms (in the event
+            loop only: the one writer). ``version`` is odd meanwhile."""
+            self.version += 1
+            try:
+                self.fold(rings, bytes_per_block)
+                for ring in rings:
                     ring.clear()
-                    self._fold(w, table[:, 0].astype(np.int64), table[:, 1], table[:, 2])
-            for w, ring in enumerate((reads_one, writes_one)):
-                if ring:
-                    table = np.array(ring, np.float64).reshape(-1, 2)
-                    ring.clear()
-                    self._fold(w, np.ones(len(table), np.int64), table[:, 0], table[:, 1])
+            finally:
+                self.version += 1
 
         return done, done_one, flush
-
-    def _fold(self, w: int, blocks: npt.NDArray[np.int64], seconds: npt.NDArray[np.float64],
-              post: npt.NDArray[np.float64]) -> None:
-        self.outcomes[w][0] += len(blocks)
-        self.bytes[w] += int(blocks.sum()) * self._bytes_per_block
-        for hist, sums, values in ((self.seconds[w], self.seconds_sum, seconds),
-                                   (self.post[w], self.post_sum, post)):
-            # side="left": a value equal to a bound counts in that bound's bucket (le).
-            found = np.bincount(np.searchsorted(_BOUNDS_ARRAY, values, side="left"),
-                                minlength=_BUCKETS)
-            for b in np.flatnonzero(found).tolist():
-                hist[b] += int(found[b])
-            sums[w] += float(values.sum())
 
     def failed(self, exc: Exc, peer: Any, op: str, nblocks: int, started: float) -> Exc:
         """Count a transfer that ended with ``exc`` and log it (rate-limited, structured)."""
@@ -173,18 +212,48 @@ class TransferMetrics(Generic[Result]):
                                "elapsed": elapsed, "cause": name})
         return exc
 
-
     def snapshot(self) -> dict[str, Any]:
-        """The transfer fields of an :class:`EngineMetrics`, copied now (flushes first)."""
-        self.flush()
+        """The transfer fields of an :class:`EngineMetrics`, copied now.
+
+        Safe from any thread (a Prometheus server scrapes from its own), and it changes
+        nothing: it copies the counters and the rings and folds the copies. Under the GIL
+        each list copy is one step, and only the event loop writes: appends to a ring
+        (``done`` appends a whole entry in one step, ``done_one`` in two, so a copy may end
+        in half an entry, left out until the next snapshot) and, in ``flush``, the fold
+        that moves the rings into the counters. That fold is bracketed by ``version``: a
+        copy taken while it was odd, or that saw it change, is taken again, so no
+        transfer is counted twice or missed, and each snapshot counts at least what the
+        one before it did.
+        """
+        rings = self._rings
+        while True:
+            version = self.version
+            if version & 1:  # the loop is folding: wait for it (the GIL hands over)
+                continue
+            counts = self.copy()
+            # Whole entries only: a prefix of what the loop appended (rings only grow
+            # between folds, and a fold meanwhile changes the version).
+            copies = [_whole_entries(ring, width)
+                      for ring, width in zip(rings, (3, 3, 2, 2), strict=True)]
+            if self.version == version:
+                break
+        counts.fold(copies, self._bytes_per_block)
         return {
-            "transfers": {op: dict(zip(OUTCOMES, self.outcomes[i], strict=True))
+            "transfers": {op: dict(zip(OUTCOMES, counts.outcomes[i], strict=True))
                           for i, op in enumerate(OPS)},
-            "transferred_bytes": dict(zip(OPS, self.bytes, strict=True)),
-            "transfer_seconds": {op: _histogram(self.seconds[i], self.seconds_sum[i])
+            "transferred_bytes": dict(zip(OPS, counts.bytes, strict=True)),
+            "transfer_seconds": {op: _histogram(counts.seconds[i], counts.seconds_sum[i])
                                  for i, op in enumerate(OPS)},
-            "post_seconds": {op: _histogram(self.post[i], self.post_sum[i]) for i, op in enumerate(OPS)},
+            "post_seconds": {op: _histogram(counts.post[i], counts.post_sum[i])
+                             for i, op in enumerate(OPS)},
         }
+
+
+def _whole_entries(ring: list[float], width: int) -> list[float]:
+    """A copy of the whole entries at the front of ``ring`` (its length read once: the loop
+    may append meanwhile)."""
+    n = len(ring)
+    return ring[:n - n % width]
 
 
 def outcome_of(exc: BaseException) -> int:

@@ -6,24 +6,28 @@
     from aionixl.prometheus import EngineCollector
 
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine))      # one per engine; label engine=<name>
+    collector = EngineCollector(engine)          # label engine=<name> on every sample
+    registry.register(collector)
+    collector.add(other_engine)                  # more engines: the same collector
     text = generate_latest(registry)
 
-Each scrape reads :meth:`Engine.metrics` (a copy of the engine's counters), so a collector
-costs nothing between scrapes. Every sample carries the label ``engine`` (the engine's
-name); several engines in one process are told apart by it.
+One collector per registry, for all of its engines: it reports each metric family once,
+with samples for every engine it holds, told apart by the label ``engine`` (the engine's
+name). Give it several engines at once (``EngineCollector(a, b)``), or ``add()`` and
+``remove()`` them while it is registered. Its :meth:`~EngineCollector.describe` returns the
+real families, so a registry knows the names: restricted scrapes (``?name[]=`` of
+``make_wsgi_app``/``start_http_server``, ``registry.restricted_registry([...])``) return
+aionixl's samples, and a registry refuses a second ``EngineCollector`` (prometheus_client's
+``ValueError: Duplicated timeseries in CollectorRegistry``), because two would repeat the
+names.
 
-The text format wants one block per metric name. When a registry scrapes several
-``EngineCollector``s, the first one it asks emits every family for all of them and the
-others emit nothing (the collectors find each other in the registry's scrape); should that
-lookup not work (another prometheus_client layout), each emits its own families and the
-names repeat, as with any collectors that share names. A collector may also simply be
-given several engines: ``EngineCollector(a, b)``.
+Each scrape reads :meth:`Engine.metrics` (a copy of the engine's counters), so a collector
+costs nothing between scrapes. A scrape is safe from any thread: ``start_http_server``
+scrapes from its own, while the engines run in their event loops.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import (
@@ -45,44 +49,53 @@ _le: Callable[[float], str] = floatToGoString
 
 
 class EngineCollector(Collector):
-    """A prometheus_client collector for one engine (or a few): register it with any
-    ``CollectorRegistry``. Metric names are listed in docs/metrics.md."""
+    """A prometheus_client collector for the engines of one registry: register it once
+    (with any ``CollectorRegistry``) and give it every engine, at construction or through
+    :meth:`add`. Metric names are listed in docs/metrics.md.
 
-    def __init__(self, engine: Engine, *more: Engine) -> None:
-        engines = (engine, *more)
-        for e in engines:
-            if not isinstance(e, Engine):
-                raise TypeError(f"EngineCollector takes aionixl.Engine objects, got {e!r}")
-        names = [e.name for e in engines]
-        if len(set(names)) != len(names):
-            raise ValueError(f"engines must have distinct names to be told apart: {names}")
-        self._engines = engines
+    An engine can be in a collector once, and two engines of one collector need distinct
+    names (``ValueError`` otherwise); anything but an ``aionixl.Engine`` is a
+    ``TypeError``. ``add`` and ``remove`` replace the tuple of engines in one step, so a
+    scrape running meanwhile (in another thread) sees the engines before or after, never
+    half; make them from one thread at a time (the engines' event loop, say).
+    """
+
+    def __init__(self, *engines: Engine) -> None:
+        self._engines: tuple[Engine, ...] = ()
+        for engine in engines:
+            self.add(engine)
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """The engines this collector reports, in the order they were given."""
+        return self._engines
+
+    def add(self, engine: Engine) -> None:
+        """Report ``engine`` too, from the next scrape on."""
+        if not isinstance(engine, Engine):
+            raise TypeError(f"EngineCollector takes aionixl.Engine objects, got {engine!r}")
+        engines = self._engines
+        if any(e is engine for e in engines):
+            raise ValueError(f"engine {engine.name!r} is already in this collector")
+        if any(e.name == engine.name for e in engines):
+            raise ValueError(f"engines must have distinct names to be told apart: another engine "
+                             f"named {engine.name!r} is already in this collector")
+        self._engines = (*engines, engine)
+
+    def remove(self, engine: Engine) -> None:
+        """Stop reporting ``engine`` (its series leave the next scrape)."""
+        engines = self._engines
+        if not any(e is engine for e in engines):
+            raise ValueError(f"engine {getattr(engine, 'name', engine)!r} is not in this collector")
+        self._engines = tuple(e for e in engines if e is not engine)
 
     def describe(self) -> Iterable[Metric]:
-        # No up-front names: several collectors of this kind share metric names (told apart
-        # by the engine label), which a registry would otherwise refuse as duplicates.
-        return []
+        """Every family this collector reports, without samples: the registry learns the
+        names (restricted scrapes, refusing a second collector of the same names)."""
+        return list(families(()))
 
     def collect(self) -> Iterable[Metric]:
-        group = _scraped_with(self)
-        if group is None:
-            return families(e.metrics() for e in self._engines)
-        if group[0] is not self:
-            return ()  # the first EngineCollector of this scrape reports ours too
-        return families(e.metrics() for c in group for e in c._engines)
-
-
-def _scraped_with(me: EngineCollector) -> list[EngineCollector] | None:
-    """The EngineCollectors of the registry scrape that is calling ``me.collect()``, in the
-    registry's order; None when that cannot be told (then ``me`` reports only itself)."""
-    try:
-        caller = sys._getframe(2)  # _scraped_with <- collect <- the registry's loop
-    except ValueError:
-        return None
-    collectors = caller.f_locals.get("collectors")
-    if not isinstance(collectors, dict) or me not in collectors:
-        return None
-    return [c for c in collectors if isinstance(c, EngineCollector)]
+        return families(e.metrics() for e in self._engines)
 
 
 def families(snapshots: Iterable[EngineMetrics]) -> Iterator[Metric]:

@@ -1,8 +1,9 @@
-"""Engine metrics, per-transfer numbers and the Prometheus exporter, against real NIXL.
+"""Engine metrics and per-transfer numbers, against real NIXL.
 
 Counts and bytes are compared with what the test moved; every failure outcome is produced
 for real (a SIGSTOPped child for timeout, cancellation and close, a SIGKILLed one for a
-lost peer); the exposition is read back with prometheus_client's own parsers.
+lost peer); snapshots are read from another thread while the engine moves blocks. The
+Prometheus exposition is in test_prometheus.py.
 """
 
 from __future__ import annotations
@@ -11,20 +12,20 @@ import logging
 import math
 import os
 import signal
+import sys
+import threading
 from bisect import bisect_left
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Literal
 
 import anyio
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.openmetrics import exposition as om_exposition
-from prometheus_client.openmetrics import parser as om_parser
 from prometheus_client.parser import text_string_to_metric_families
 
 import aionixl
-from aionixl._metrics import _RING, LATENCY_BOUNDS, OUTCOMES, TransferMetrics
+from aionixl._metrics import _RING, LATENCY_BOUNDS, OPS, OUTCOMES, EngineMetrics, TransferMetrics
 from aionixl._ratelimit import RateLimitedLog
 from aionixl._transfers import TransferResult
 from aionixl.prometheus import EngineCollector
@@ -36,43 +37,6 @@ pytestmark = pytest.mark.anyio
 
 BLOCKS, BLOCK_BYTES, REGIONS = 64, 4096, 2
 PER_BLOCK = BLOCK_BYTES * REGIONS
-
-#: The names the issue fixes, each with the label engine (and the sample names they expose).
-REQUIRED = {
-    "aionixl_transfers_total": {"engine", "op", "outcome"},
-    "aionixl_transferred_bytes_total": {"engine", "op"},
-    "aionixl_transfer_seconds_bucket": {"engine", "op", "le"},
-    "aionixl_transfer_seconds_count": {"engine", "op"},
-    "aionixl_transfer_seconds_sum": {"engine", "op"},
-    "aionixl_in_flight": {"engine"},
-    "aionixl_peers": {"engine"},
-    "aionixl_peers_evicted_total": {"engine"},
-    "aionixl_handshakes_total": {"engine", "result"},
-    "aionixl_notifications_total": {"engine", "event"},
-}
-
-
-def samples(text: str) -> list[Any]:
-    return [s for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def value(found: list[Any], name: str, **labels: str) -> float:
-    hits = [s.value for s in found if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
-    assert len(hits) == 1, (name, labels, hits)
-    return float(hits[0])
-
-
-async def _move(dst: aionixl.Engine, peer: aionixl.Peer) -> dict[str, tuple[int, int]]:
-    """Known reads and writes; returns op -> (calls, bytes)."""
-    reads = [[0], [1, 2, 3], list(range(10, 26)), [40, 7]]
-    writes = [[5], [50, 51]]
-    for ids in reads:
-        await dst.transfer_blocks(peer, ids, ids)
-    for ids in writes:
-        await dst.transfer_blocks(peer, ids, ids, op="write")
-    return {"read": (len(reads), sum(map(len, reads)) * PER_BLOCK),
-            "write": (len(writes), sum(map(len, writes)) * PER_BLOCK)}
-
 
 async def test_counts_bytes_and_histograms_equal_what_was_moved() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=5)
@@ -326,81 +290,269 @@ async def test_notifications_delivered_and_dropped_and_handshakes_rejected() -> 
         assert (m.handshakes_accepted, m.handshakes_rejected) == (1, 1)
 
 
-# ---- Prometheus ------------------------------------------------------------------------------
+# ---- snapshots from another thread -----------------------------------------------------------
+#
+# prometheus_client's start_http_server scrapes from a thread of its own while the engine runs
+# in its event loop. The tests below read from a plain thread (the package itself runs none)
+# with the interpreter switching threads every microsecond, so reads land between any two
+# steps of the recording and of the folds.
 
 
-async def test_two_engines_in_one_registry_as_a_scraper_sees_them() -> None:
-    """As the held-out check: known transfers, a collector per engine in one registry,
-    generate_latest() parsed back, exact counts, bytes and histogram counts by name."""
-    async with engine_pair(numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=2),
+@pytest.fixture
+def switch_often() -> Iterator[None]:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+#: What one read shows of one op: calls ok, bytes, then the counts of both histograms.
+Reading = tuple[int, int, int, int]
+
+
+def _reading(fields: dict[str, Any] | EngineMetrics, op: str) -> Reading:
+    get = fields.__getitem__ if isinstance(fields, dict) else lambda name: getattr(fields, name)
+    return (get("transfers")[op]["ok"], get("transferred_bytes")[op],
+            get("transfer_seconds")[op].count, get("post_seconds")[op].count)
+
+
+class Tally:
+    """Per op: calls and blocks begun and finished, as the recording side counts them. A read
+    taken after ``finished`` was copied and before ``started`` was must lie between them."""
+
+    def __init__(self) -> None:
+        self.started = {op: [0, 0] for op in OPS}
+        self.finished = {op: [0, 0] for op in OPS}
+
+    def bounds(self, op: str, which: dict[str, list[int]], bytes_per_block: int) -> Reading:
+        calls, blocks = which[op][:]  # one copy: a consistent pair
+        return calls, blocks * bytes_per_block, calls, calls
+
+
+class Checker:
+    """Checks each read from the scraping thread: within bounds, consistent within itself,
+    never below the read before it."""
+
+    def __init__(self, tally: Tally, bytes_per_block: int) -> None:
+        self.tally = tally
+        self.bytes_per_block = bytes_per_block
+        self.last: dict[tuple[str, str], Reading] = {}
+        self.reads = 0
+
+    def low(self) -> dict[str, Reading]:
+        return {op: self.tally.bounds(op, self.tally.finished, self.bytes_per_block) for op in OPS}
+
+    def high(self) -> dict[str, Reading]:
+        return {op: self.tally.bounds(op, self.tally.started, self.bytes_per_block) for op in OPS}
+
+    def check(self, source: str, op: str, got: Reading, low: Reading, high: Reading) -> None:
+        assert all(lo <= g <= hi for lo, g, hi in zip(low, got, high, strict=True)), \
+            (source, op, low, got, high)
+        assert got[0] == got[2] == got[3], (source, op, got)  # every count saw the same transfers
+        before = self.last.get((source, op), (0, 0, 0, 0))
+        assert all(b <= g for b, g in zip(before, got, strict=True)), (source, op, before, got)
+        self.last[source, op] = got
+        self.reads += 1
+
+
+def _scraping(checker: Checker, read: Callable[[Checker], None]
+              ) -> tuple[threading.Thread, Callable[[], list[BaseException]]]:
+    """A thread calling ``read(checker)`` until stopped; returns it and its stop-and-join."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while not stop.is_set():
+                read(checker)
+        except BaseException as exc:  # reported by the test, with its traceback
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="scraper", daemon=True)
+
+    def finish() -> list[BaseException]:
+        stop.set()
+        thread.join(60)
+        assert not thread.is_alive()
+        return errors
+
+    return thread, finish
+
+
+def test_snapshots_from_another_thread_count_each_transfer_once(switch_often: None) -> None:
+    """The seqlock alone: this thread records (both ops, one block and several, past many
+    folds) while another snapshots; every read is exact and the end counts are."""
+    bytes_per_block = 10
+    values = [*LATENCY_BOUNDS, 0.0, 3e-7, 4e-3, 11.0]
+    m = TransferMetrics(TransferResult, bytes_per_block, 2, RateLimitedLog(logging.getLogger("test")))
+    tally = Tally()
+    per_value = {op: [0] * len(values) for op in OPS}  # transfers recorded with each value
+    checker = Checker(tally, bytes_per_block)
+
+    def read(c: Checker) -> None:
+        low = c.low()
+        snap = m.snapshot()
+        high = c.high()
+        for op in OPS:
+            c.check("snapshot", op, _reading(snap, op), low[op], high[op])
+
+    thread, finish = _scraping(checker, read)
+    thread.start()
+    try:
+        for i in range(400_000):
+            op = OPS[i % 3 == 0]  # two reads, one write
+            k = i % len(values)
+            v = values[k]
+            started, finished = tally.started[op], tally.finished[op]
+            nblocks = 1 if i % 5 else 1 + i % 4
+            started[1] += nblocks
+            started[0] += 1
+            if nblocks == 1 and i % 10:
+                m.done_one(op, 0.0, v / 2, v, v)
+            else:
+                m.done(op, nblocks, 0.0, v / 2, v, v, None)
+            finished[0] += 1
+            finished[1] += nblocks
+            per_value[op][k] += 1
+    finally:
+        errors = finish()
+    assert errors == []
+    assert checker.reads > 100  # the reads above were made, many of them
+    # Folds happened meanwhile: one-block reads alone fill their ring 52 times.
+    assert m.version >= 2 * 50 and m.version % 2 == 0
+    end = m.snapshot()
+    for op in OPS:
+        calls, blocks = tally.finished[op]
+        assert _reading(end, op) == (calls, blocks * bytes_per_block, calls, calls)
+        assert end["transfers"][op] == {o: (calls if o == "ok" else 0) for o in OUTCOMES}
+        for field, scale in (("transfer_seconds", 1.0), ("post_seconds", 0.5)):
+            want = [0] * (len(LATENCY_BOUNDS) + 1)
+            for v, n in zip(values, per_value[op], strict=True):
+                want[bisect_left(LATENCY_BOUNDS, v * scale)] += n
+            assert list(end[field][op].counts) == want, field
+            assert end[field][op].sum == pytest.approx(
+                sum(v * scale * n for v, n in zip(values, per_value[op], strict=True)))
+    assert tally.started == tally.finished
+
+
+async def test_metrics_and_the_collector_from_another_thread_while_transfers_run(
+        switch_often: None) -> None:
+    """Real transfers (one block and several, read and write, merged and alone, past the
+    folds) while a thread reads engine.metrics() and scrapes the collector: every read lies
+    between what had finished and what had begun, never goes down, and the end is exact."""
+    rounds = 1500
+    # Blocks per call of each task: 6 x 1500 one-block reads fill their ring (done_one) at
+    # least twice, so at least two folds run while the thread reads.
+    nblocks_of: dict[Literal["read", "write"], tuple[int, ...]] = {
+        "read": (1, 1, 1, 1, 1, 1, 4, 2), "write": (1, 1, 3)}
+    async with engine_pair(numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6),
                            numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)) as (src, dst, peer):
-        moved = await _move(dst, peer)
+        tally = Tally()
+        checker = Checker(tally, PER_BLOCK)
         registry = CollectorRegistry()
-        registry.register(EngineCollector(src))
-        registry.register(EngineCollector(dst))
+        registry.register(EngineCollector(src, dst))
+        in_flight: list[float] = []
+
+        def read(c: Checker) -> None:
+            low = c.low()
+            m = dst.metrics()
+            text = generate_latest(registry).decode()
+            high = c.high()
+            found = {(s.name, s.labels.get("engine"), s.labels.get("op"), s.labels.get("outcome")): s.value
+                     for f in text_string_to_metric_families(text) for s in f.samples
+                     if "le" not in s.labels}
+            # Quick reads too: the in-flight table's count runs while the loop changes it.
+            in_flight.extend(dst.metrics().in_flight for _ in range(20))
+            in_flight.append(m.in_flight)
+            for op in OPS:
+                c.check("metrics", op, _reading(m, op), low[op], high[op])
+                scraped = tuple(int(found[name, dst.name, op, outcome]) for name, outcome in (
+                    ("aionixl_transfers_total", "ok"), ("aionixl_transferred_bytes_total", None),
+                    ("aionixl_transfer_seconds_count", None), ("aionixl_transfer_post_seconds_count", None)))
+                c.check("collector", op, scraped, low[op], high[op])  # type: ignore[arg-type]
+                assert found["aionixl_transfers_total", src.name, op, "ok"] == 0
+
+        async def worker(op: Literal["read", "write"], nblocks: int, first: int) -> None:
+            started, finished = tally.started[op], tally.finished[op]
+            for i in range(rounds):
+                at = (first + i * nblocks) % (BLOCKS - nblocks)
+                ids = list(range(at, at + nblocks))
+                started[1] += nblocks
+                started[0] += 1
+                await dst.transfer_blocks(peer, ids, ids, op=op, timeout=60)
+                finished[0] += 1
+                finished[1] += nblocks
+
+        thread, finish = _scraping(checker, read)
+        thread.start()
+        try:
+            async with anyio.create_task_group() as tg:
+                for op, sizes in nblocks_of.items():
+                    for w, nblocks in enumerate(sizes):
+                        tg.start_soon(worker, op, nblocks, 17 * w)
+        finally:
+            errors = finish()
+        assert errors == []
+        assert checker.reads >= 4 * 10  # at least ten rounds of reads, each op from each source
+        assert max(in_flight) <= sum(map(len, nblocks_of.values())) and min(in_flight) >= 0
+        assert dst._transfer_metrics.version >= 2 * 2  # folds at 4096 happened meanwhile
+        m = dst.metrics()
+        assert m.merged_requests > 0  # some one-block calls rode merged requests (done_one)
         text = generate_latest(registry).decode()
-    found = samples(text)
-    for name, labels in REQUIRED.items():
-        got = [s for s in found if s.name == name]
-        assert {s.labels["engine"] for s in got} == {src.name, dst.name}, name
-        assert all(set(s.labels) == labels for s in got), name
-    for op, (calls, nbytes) in moved.items():
-        assert value(found, "aionixl_transfers_total", engine=dst.name, op=op, outcome="ok") == calls
-        assert value(found, "aionixl_transferred_bytes_total", engine=dst.name, op=op) == nbytes
-        assert value(found, "aionixl_transfer_seconds_count", engine=dst.name, op=op) == calls
-        assert value(found, "aionixl_transfer_seconds_bucket", engine=dst.name, op=op, le="+Inf") == calls
-        assert value(found, "aionixl_transfer_seconds_sum", engine=dst.name, op=op) > 0
-        for outcome in OUTCOMES[1:]:
-            assert value(found, "aionixl_transfers_total", engine=dst.name, op=op, outcome=outcome) == 0
-        # The serving engine moved nothing itself.
-        assert value(found, "aionixl_transfers_total", engine=src.name, op=op, outcome="ok") == 0
-        assert value(found, "aionixl_transfer_seconds_count", engine=src.name, op=op) == 0
-    assert value(found, "aionixl_handshakes_total", engine=src.name, result="accepted") == 1
-    assert value(found, "aionixl_peers", engine=dst.name) == 1
-    assert value(found, "aionixl_in_flight", engine=dst.name) == 0
-    assert value(found, "aionixl_peers_evicted_total", engine=dst.name) == 0
-    assert value(found, "aionixl_notifications_total", engine=src.name, event="dropped") == 0
-    # Buckets are cumulative and end at the count.
-    buckets = [s for s in found if s.name == "aionixl_transfer_seconds_bucket"
-               and s.labels["engine"] == dst.name and s.labels["op"] == "read"]
-    assert [b.value for b in buckets] == sorted(b.value for b in buckets)
-    assert len(buckets) == len(LATENCY_BOUNDS) + 1
-    # The text itself: one TYPE line per name, the exact names.
-    for line in ("# TYPE aionixl_transfers_total counter", "# TYPE aionixl_transferred_bytes_total counter",
-                 "# TYPE aionixl_transfer_seconds histogram", "# TYPE aionixl_in_flight gauge",
-                 "# TYPE aionixl_peers gauge", "# TYPE aionixl_peers_evicted_total counter",
-                 "# TYPE aionixl_handshakes_total counter", "# TYPE aionixl_notifications_total counter"):
-        assert text.count(line + "\n") == 1, line
+    total = 0
+    for op, sizes in nblocks_of.items():
+        calls, nbytes = rounds * len(sizes), rounds * sum(sizes) * PER_BLOCK
+        total += calls
+        assert tally.finished[op] == [calls, rounds * sum(sizes)]
+        assert _reading(m, op) == (calls, nbytes, calls, calls)
+        assert m.transfers[op] == {o: (calls if o == "ok" else 0) for o in OUTCOMES}
+        assert sum(m.transfer_seconds[op].counts) == sum(m.post_seconds[op].counts) == calls
+        found = {(s.name, s.labels.get("engine"), s.labels.get("op"), s.labels.get("le")): s.value
+                 for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.labels.get("outcome") in (None, "ok")}
+        assert found["aionixl_transfers_total", dst.name, op, None] == calls
+        assert found["aionixl_transferred_bytes_total", dst.name, op, None] == nbytes
+        assert found["aionixl_transfer_seconds_bucket", dst.name, op, "+Inf"] == calls
+        assert found["aionixl_transfer_post_seconds_count", dst.name, op, None] == calls
+    assert total >= 10_000
 
 
-async def test_exposition_parses_strictly_as_openmetrics_with_two_engines() -> None:
-    async with engine_pair(numpy_cache(8, 4096, 1), numpy_cache(8, 4096, 1)) as (src, dst, peer):
-        await dst.transfer_blocks(peer, [1, 2], [3, 4])
-        registry = CollectorRegistry()
-        registry.register(EngineCollector(src))
-        registry.register(EngineCollector(dst))
-        text = om_exposition.generate_latest(registry).decode()
-    families = {f.name: f for f in om_parser.text_string_to_metric_families(text)}
-    assert families["aionixl_transfers"].type == "counter"
-    ok = [s for s in families["aionixl_transfers"].samples
-          if s.labels.get("outcome") == "ok" and s.labels["op"] == "read"]
-    assert {s.labels["engine"]: s.value for s in ok} == {src.name: 0, dst.name: 1}
-    assert families["aionixl_transfer_seconds"].type == "histogram"
+async def test_in_flight_from_another_thread_while_the_table_changes(
+        monkeypatch: pytest.MonkeyPatch, switch_often: None) -> None:
+    """Over TCP, without merging, each caller's request waits in the in-flight table, which
+    the loop changes all the time: counting it from another thread never fails, and never
+    counts more callers than there are."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    workers, rounds = 16, 200
+    config = aionixl.EngineConfig(coalesce=False)
+    async with engine_pair(numpy_cache(workers, 1 << 16, 1, seed=7), numpy_cache(workers, 1 << 16, 1),
+                           config) as (_, dst, peer):
+        seen: list[int] = []
 
+        def read(c: Checker) -> None:
+            counts = [dst._inflight.callers() for _ in range(100)]  # quick, as often as can be
+            counts.append(dst.metrics().in_flight)
+            assert all(0 <= n <= workers for n in counts), counts
+            seen.extend(counts)
+            c.reads += 1
 
-async def test_collector_refuses_non_engines_and_duplicate_names() -> None:
-    eng = aionixl.Engine(unique("idle"), numpy_cache(2, 4096, 1))
-    with pytest.raises(TypeError):
-        EngineCollector("engine")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="distinct"):
-        EngineCollector(eng, eng)
-    # An engine not yet started reports zeros.
-    found = samples(generate_latest(_registry(EngineCollector(eng))).decode())
-    assert value(found, "aionixl_transfers_total", engine=eng.name, op="read", outcome="ok") == 0
+        async def worker(w: int) -> None:
+            for _ in range(rounds):
+                await dst.transfer_blocks(peer, [w], [w], op="read" if w % 2 else "write", timeout=60)
 
-
-def _registry(*collectors: EngineCollector) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    for c in collectors:
-        registry.register(c)
-    return registry
+        thread, finish = _scraping(Checker(Tally(), 1), read)
+        thread.start()
+        try:
+            async with anyio.create_task_group() as tg:
+                for w in range(workers):
+                    tg.start_soon(worker, w)
+        finally:
+            errors = finish()
+        assert errors == []
+        # The table was counted while it held requests, many times.
+        assert sum(1 for n in seen if n > 0) > 1000
+        m = dst.metrics()
+        assert m.in_flight == 0 and m.transfers["read"]["ok"] == m.transfers["write"]["ok"] == 8 * rounds
+        assert m.merged_requests == 0
