@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -31,7 +32,7 @@ PUSH = aionixl.EngineConfig(read_mode="push", push_chunk_bytes=64 << 10)
 
 def test_read_mode_rule() -> None:
     same = {"node": "n1", "ucx_tls": "", "rdma": "0"}
-    feats = frozenset({_hostfacts.PUSH_FEATURE})
+    feats = frozenset({_wire.PUSH_FEATURE})
     assert _hostfacts.choose_read_mode("auto", feats, same, same) == "get"  # one host, shm allowed
     tcp = {**same, "ucx_tls": "tcp"}
     assert _hostfacts.choose_read_mode("auto", feats, same, tcp) == "push"  # shm not allowed on one side
@@ -116,7 +117,10 @@ async def test_the_server_validates_every_request() -> None:
     async with engine_pair(numpy_cache(8, 4096, 1, seed=1), numpy_cache(4, 4096, 1),
                            config=PUSH) as (src, dst, peer):
         assert dst._local.agent is not None
-        ids = lambda *v: np.array(v, dtype="<i4").tobytes()  # noqa: E731
+
+        def ids(*v: int) -> bytes:
+            return np.array(v, dtype="<i4").tobytes()
+
         cases = {
             "destination block id out of range": _wire.PushRequest(101, ids(4), ids(0), 5.0),
             "source block id out of range": _wire.PushRequest(102, ids(0), ids(8), 5.0),
@@ -160,9 +164,11 @@ async def _until_bytes_arrive(cache: list[np.ndarray]) -> None:
 async def test_no_late_bytes_after_a_cancelled_or_timed_out_get_over_shared_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """GET mode where auto picks it (one host, shared memory): after the call returns, the
-    caller's blocks keep what it wrote. (Here UCX finishes such GETs inside the post, so the
-    fence finds nothing to wait for; over UCX TCP with read_mode="get" forced, the fence is
-    best effort: see docs/read-modes.md.)"""
+    caller's blocks keep what it wrote. Here UCX mostly finishes such a GET inside its post
+    (64 MiB in ~50 ms, measured), so the 5 ms timeout does not fire and the cancel finds the
+    read done: each call is checked for what did happen (a complete read has exact bytes and
+    was not fenced; an aborted one was fenced). The fence that has something to wait for is
+    tested over UCX TCP in tests/test_fence.py."""
     monkeypatch.delenv("UCX_TLS", raising=False)
     local = numpy_cache(16, 4 << 20, 1)
     ids = list(range(16))
@@ -172,25 +178,50 @@ async def test_no_late_bytes_after_a_cancelled_or_timed_out_get_over_shared_memo
         peer = await eng.connect(child.address, timeout=30)
         assert peer.read_mode == "get"
         await eng.transfer_blocks(peer, ids, ids, timeout=30)
+        expected = child.expected()[0].numpy()
+        fenced: list[str] = []
+        real_fence = eng._direct.fence
+
+        async def fence(peer: aionixl.Peer, local_idx: _nixl.Indices, remote_idx: _nixl.Indices) -> None:
+            fenced.append(leave)
+            await real_fence(peer, local_idx, remote_idx)
+
+        eng._direct.fence = fence  # type: ignore[method-assign]
+        outcomes: list[str] = []
+
+        async def read(timeout: float) -> None:
+            try:
+                await eng.transfer_blocks(peer, ids, ids, timeout=timeout)
+            except aionixl.TransferTimeoutError as exc:
+                assert f"did not finish within {timeout} s" in str(exc)
+                outcomes.append("timed out")
+                return
+            outcomes.append("done")  # before any checkpoint: a cancel cannot come between
+
         for leave in ("cancel", "timeout") * 2:
             local[0][:] = 0
-            try:
-                if leave == "cancel":
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(eng.transfer_blocks, peer, ids, ids, "read", None, 30)
-                        await _until_bytes_arrive(local)
-                        tg.cancel_scope.cancel()
-                else:
-                    await eng.transfer_blocks(peer, ids, ids, timeout=0.005)
-            except aionixl.TransferTimeoutError:
-                pass
+            outcomes.clear()
+            if leave == "cancel":
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(read, 30.0)
+                    await _until_bytes_arrive(local)
+                    tg.cancel_scope.cancel()
+            else:
+                await read(0.005)
+            outcome = outcomes[0] if outcomes else "cancelled"
+            assert outcome in (("done", "cancelled") if leave == "cancel" else ("done", "timed out"))
+            if outcome == "done":
+                assert np.array_equal(local[0], expected) and leave not in fenced, (leave, fenced)
+            else:
+                assert fenced.count(leave) == 1, (leave, fenced)  # the aborted read was fenced
+            fenced.clear()
             local[0][:] = 0x5A
             await anyio.sleep(0.3)  # the engine keeps progressing meanwhile
-            assert _late(local, 0x5A) == 0, leave
+            assert _late(local, 0x5A) == 0, (leave, outcome)
             assert eng.live_resources()["transfer_handles"] == 0
         assert peer.connected and eng.stats()["fence_evictions"] == 0
         await eng.transfer_blocks(peer, ids, ids, timeout=30)
-        assert np.array_equal(local[0], child.expected()[0].numpy())
+        assert np.array_equal(local[0], expected)
         assert child.running
     assert zero_resources(eng)
 
@@ -223,7 +254,7 @@ def _stuck_read_then_fence(engine: aionixl.Engine, fence_check: Any) -> list[int
             return fence_check()
         return real_check(handle)
 
-    agent.start_xfer = start_xfer  # type: ignore[method-assign]
+    agent.start_xfer = start_xfer  # type: ignore[method-assign, assignment]
     agent.check = check  # type: ignore[method-assign]
     return posts
 
@@ -289,12 +320,19 @@ async def test_a_fence_that_fails_alone_evicts_the_peer() -> None:
 
 
 async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, record_property: Callable[[str, object], None]) -> None:
     """The server stops mid-push (SIGSTOP) and cannot confirm the cancel: the reader evicts it
-    at the deadline plus push_cancel_timeout; when it runs again, nothing more lands."""
+    at the deadline plus push_cancel_timeout. When it runs again, at most the one chunk it
+    had under way can still land (the known gap, docs/read-modes.md): no more than one
+    chunk's bytes, all inside one chunk's blocks, and they are the server's bytes."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     local = numpy_cache(16, 4 << 20, 1)
     ids = list(range(16))
+    block_bytes = GEOMETRY["block_shape"][0]
+    # The server (default config) writes ids[k * per_chunk:(k + 1) * per_chunk] in chunk k,
+    # one chunk at a time, each only once the one before it ended (_push.Pusher._chunks).
+    per_chunk = max(1, aionixl.EngineConfig().push_chunk_bytes // block_bytes)
+    assert per_chunk < len(ids) // 2  # several chunks: one is a real bound
     config = aionixl.EngineConfig(push_cancel_timeout=0.5)
     async with RemoteEngine(seed=1234, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
             aionixl.Engine(unique("dec"), local, listen=None, config=config) as eng:
@@ -321,20 +359,27 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(
         finally:
             await child.resume()
         await anyio.sleep(1.0)
-        late = _late(local, 0x5A)
+        late_mask = local[0] != 0x5A
+        late = int(np.count_nonzero(late_mask))
+        late_blocks = sorted({int(b) for b in np.flatnonzero(late_mask.any(axis=1))})
+        late_ok = bool(np.array_equal(local[0][late_mask], child.expected()[0].numpy()[late_mask]))
         # Evicted only to fence the read: the same Peer reconnects on its next use.
         await eng.transfer_blocks(peer, ids, ids, timeout=30)
         assert peer.connected and eng.peers[peer.name] is peer
         assert np.array_equal(local[0], child.expected()[0].numpy())
         assert child.running
     assert zero_resources(eng)
-    if late:
-        # A known gap, reported rather than hidden (docs/read-modes.md, "Known gap"): closing our NIXL
-        # connection to the stopped server does not always stop the PUT chunk it had under
-        # way over UCX tcp; once it resumes, up to a chunk can still land (seen in 3 of 4
-        # fresh-clone CI runs on 2026-12-04, ~0.8-1 MB). Everything else above is still asserted.
-        pytest.xfail(f"{late} bytes landed after the eviction (known gap: a resumed server's "
-                     "PUT chunk under way over UCX tcp)")
+    record_property("late_bytes", late)  # in --junitxml reports: how often the gap shows
+    # The known gap, bounded (docs/read-modes.md): closing our NIXL connection to the stopped
+    # server does not stop the PUT chunk it had under way over UCX tcp; once it resumes, the
+    # rest of that chunk can land (seen in 3 of 4 fresh-clone CI runs on 2026-12-04,
+    # ~0.8-1 MB; here in about 1 of 10 trio runs, 0.1-4 MB, never on asyncio in 40). Never a
+    # later chunk: the server posts one only once the chunk before it completed, and that
+    # completion (its flush) needs our side of the connection the eviction closed; the
+    # server's push times out instead ("push to ... timed out" in its log).
+    assert late <= per_chunk * block_bytes, (late, late_blocks)
+    assert len({b // per_chunk for b in late_blocks}) <= 1, late_blocks  # inside one chunk
+    assert late_ok, "what landed late is not the server's bytes"
 
 
 # ---- the issue's scenario ----------------------------------------------------------------
@@ -343,8 +388,9 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(
 LEAVE_MIB = int(os.environ.get("AIONIXL_LEAVE_MIB", "64"))
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # the readers' loops: no uvloop there
 async def test_readers_leaving_mid_read_never_take_the_server_down(
-        anyio_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        anyio_backend_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A serving engine over UCX TCP; one fresh reader process per way of leaving mid-read
     (aclose, disconnect, cancelled caller, timeout, SIGKILL), default configuration, readers on
     this test's backend. After each: the server is alive and serves exact bytes, the reader
@@ -355,7 +401,7 @@ async def test_readers_leaving_mid_read_never_take_the_server_down(
     try:
         async with aionixl.Engine(unique("checker"), local, listen=None) as checker:
             for n, way in enumerate(WAYS):
-                r = run_reader(server, way, backend=anyio_backend, seed=n)
+                r = run_reader(server, way, backend=anyio_backend_name, seed=n)
                 assert r.returncode == (-signal.SIGKILL if way == "kill" else 0), r.output[-3000:]
                 assert r.report.get("read_mode") == "push", r.report
                 assert r.noise == [], (way, r.noise)
