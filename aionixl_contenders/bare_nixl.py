@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from aionixl._bench._memory import block_descriptors, registration_spans
+from aionixl._bench._memory import WRITE_SALT, block_descriptors, registration_spans
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -157,23 +157,27 @@ def _indexed(ctx: Any, pairs: list[tuple[Any, Any]]) -> list[tuple[np.ndarray, n
     return [(ctx.local_indices(l_ids), ctx.remote_indices(r_ids)) for l_ids, r_ids in pairs]
 
 
-def _verify(ctx: Any, bare: BareNixl, memory: Any = None) -> None:
+def _verify(ctx: Any, bare: BareNixl, memory: Any = None) -> int:
+    """Read the verify set into cleared blocks of ``memory`` (ours by default) and compare
+    its bytes with the prefill pattern; raises on a mismatch, else the block ids compared."""
     ctx.clear_verify_set(memory)
     loc, rem = ctx.verify_set
     bare.one(ctx.local_indices(loc), ctx.remote_indices(rem))
     if not ctx.check_verify_set(memory):
         raise RuntimeError("bare NIXL: the bytes read do not match the prefill pattern")
+    return int(ctx.verify_blocks)
 
 
 def run(ctx: Any) -> dict[str, Any]:
     spec = ctx.spec
     out: dict[str, Any] = {}
+    checked = 0  # block ids whose bytes were compared with the prefill pattern
     ctx.spin()
     ctx.progress("bare NIXL: agent, connection")
     bare = BareNixl(ctx, ctx.unique("bare"), ctx.local)
     try:
         bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))  # wire-up
-        _verify(ctx, bare)
+        checked += _verify(ctx, bare)
         for nblocks, count in spec.seq.items():
             pairs = _indexed(ctx, ctx.workload("contiguous", nblocks))
             out[f"seq_{nblocks}"] = ctx.timed_repeats(
@@ -197,42 +201,59 @@ def run(ctx: Any) -> dict[str, Any]:
         nbytes = spec.bulk_blocks * spec.bytes_per_block_id
         out["bulk"] = [nbytes / s for s in ctx.timed_repeats(
             "bare NIXL: 16 MiB reads", lambda: bare.seq(bulk, spec.bulk_count))]
-        _verify(ctx, bare)
+        checked += _verify(ctx, bare)
         ctx.rest()
         ctx.progress("bare NIXL: reconnects")
         out["connect"] = [bare.reconnect_seconds() for _ in range(spec.connect_count)]
         ctx.spin()
         bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))
-        _verify(ctx, bare)
+        checked += _verify(ctx, bare)
     finally:
         bare.close()
     if ctx.host is not None:
-        out.update(_host_device(ctx))
-    out["info"] = {"verified": True}
+        rows, host_checked = host_device(ctx)
+        out.update(rows)
+        checked += host_checked
+    out["info"] = {"verified_blocks": checked}
     return out
 
 
-def _host_device(ctx: Any) -> dict[str, list[float]]:
-    """--device cuda: DRAM here <-> VRAM on the prefill side, 16 MiB at a time."""
+def host_device(ctx: Any) -> tuple[dict[str, list[float]], int]:
+    """--device cuda: DRAM here <-> VRAM on the prefill side, 16 MiB at a time. Returns the
+    rows and the block ids verified. The writes carry a pattern the prefill side never holds
+    on its own (``WRITE_SALT``), read back and checked; then the prefill pattern is written
+    back (checked the same way) for the contenders after this one."""
     spec = ctx.spec
-    bare = BareNixl(ctx, ctx.unique("bare-host"), ctx.host)
+    host = ctx.host
+    bare = BareNixl(ctx, ctx.unique("bare-host"), host)
+    who = "bare NIXL (host<->device)"
     out: dict[str, list[float]] = {}
     try:
         bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))
-        _verify(ctx, bare, ctx.host)
-        pairs = ctx.workload("contiguous", spec.bulk_blocks)
+        checked = _verify(ctx, bare, host)
         nbytes = spec.bulk_blocks * spec.bytes_per_block_id
-        indexed = _indexed(ctx, pairs)
+        indexed = _indexed(ctx, ctx.workload("contiguous", spec.bulk_blocks))
         out["bulk_d2h"] = [nbytes / s for s in ctx.timed_repeats(
             "bare NIXL: 16 MiB device->host reads", lambda: bare.seq(indexed, spec.bulk_count))]
-        loc, rem = pairs[0]
-        ctx.host.fill_expected(list(loc), list(rem))  # writing these back leaves the target intact
-        write = _indexed(ctx, [pairs[0]])
+        checked += _verify(ctx, bare, host)
+        loc, rem = ctx.write_pair()
+        write = _indexed(ctx, [(loc, rem)])
+
+        def read_back(salt: int) -> int:
+            host.clear(loc)
+            bare.one(*write[0])
+            return int(ctx.check_read_back(loc, rem, salt, who))
+
+        host.fill_expected(loc, rem, WRITE_SALT)
         out["bulk_h2d"] = [nbytes / s for s in ctx.timed_repeats(
             "bare NIXL: 16 MiB host->device writes", lambda: bare.seq(write, spec.bulk_count, "WRITE"))]
+        checked += read_back(WRITE_SALT)
+        host.fill_expected(loc, rem)  # the prefill pattern back, for the contenders after this one
+        bare.one(*write[0], op="WRITE")
+        checked += read_back(0)
     finally:
         bare.close()
-    return out
+    return out, checked
 
 
 class Reference:

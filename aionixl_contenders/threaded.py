@@ -45,7 +45,9 @@ def _connect(ctx: Any, conn: ThreadedConnector, units: list[Any], step_s: float)
     _wait(conn, step_s, peers={u.meta_address for u in units})
 
 
-def _verify(ctx: Any, conn: ThreadedConnector, address: str, step_s: float, req: _Requests) -> None:
+def _verify(ctx: Any, conn: ThreadedConnector, address: str, step_s: float, req: _Requests) -> int:
+    """Read the verify set into cleared blocks and compare its bytes with the prefill
+    pattern; raises on a mismatch, else returns the block ids compared."""
     ctx.clear_verify_set()
     loc, rem = ctx.verify_set
     r = req.new()
@@ -53,6 +55,7 @@ def _verify(ctx: Any, conn: ThreadedConnector, address: str, step_s: float, req:
     _wait(conn, step_s, requests={r})
     if not ctx.check_verify_set():
         raise RuntimeError("threaded model: the bytes read do not match the prefill pattern")
+    return int(ctx.verify_blocks)
 
 
 def _seq(conn: ThreadedConnector, address: str, pairs: list[Any], n: int, step_s: float,
@@ -98,6 +101,7 @@ def run(ctx: Any) -> dict[str, Any]:
     step_s = spec.step_s
     out: dict[str, Any] = {}
     req = _Requests()
+    checked = 0  # block ids whose bytes were compared with the prefill pattern
     ctx.spin()
     ctx.progress(f"threaded model (step {step_s * 1e3:g} ms): agent, listener, handshake")
     conn = ThreadedConnector(ctx.unique("threaded"), ctx.local.layout())
@@ -108,7 +112,7 @@ def run(ctx: Any) -> dict[str, Any]:
         r = req.new()
         conn.read_blocks(r, address, [0], [0])  # wire-up
         _wait(conn, step_s, requests={r})
-        _verify(ctx, conn, address, step_s, req)
+        checked += _verify(ctx, conn, address, step_s, req)
 
         def count_for(n: int) -> int:
             return max(3, min(n, int(spec.threaded_repeat_budget_s / max(step_s, 1e-4))))
@@ -141,7 +145,7 @@ def run(ctx: Any) -> dict[str, Any]:
         n = count_for(spec.bulk_count)
         out["bulk"] = [nbytes / s for s in ctx.timed_repeats(
             "threaded model: 16 MiB reads", lambda: _seq(conn, address, bulk, n, step_s, req))]
-        _verify(ctx, conn, address, step_s, req)
+        checked += _verify(ctx, conn, address, step_s, req)
 
         ctx.rest()
         ctx.progress("threaded model: reconnects (handshake on the executor, seen at the next step)")
@@ -165,7 +169,7 @@ def run(ctx: Any) -> dict[str, Any]:
         r = req.new()
         conn.read_blocks(r, address, [0], [0])
         _wait(conn, step_s, requests={r})
-        _verify(ctx, conn, address, step_s, req)
+        checked += _verify(ctx, conn, address, step_s, req)
     finally:
         conn.shutdown()
     closes, at_close = [], []
@@ -187,7 +191,7 @@ def run(ctx: Any) -> dict[str, Any]:
         if ctx.target_died(0.5):
             ctx.restart_target(killed)
     out["close"] = closes
-    out["info"] = {"verified": True, "step_s": step_s, "close_in_flight": at_close,
+    out["info"] = {"verified_blocks": checked, "step_s": step_s, "close_in_flight": at_close,
                    "close_transport": spec.slow_tls}
     if spec.with_vllm:
         closes, opened, after = [], [], []

@@ -127,12 +127,16 @@ def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -
         prefill.ask({"op": "hold_many", "reqs": reqs, "lease_s": 600})
         return reqs
 
+    checked = 0  # block ids whose bytes the decode worker compared with the prefill pattern
+
     def verify(when: str) -> None:
+        nonlocal checked
         loc, rem = ctx.verify_set
-        ok = decode.ask({"op": "verify", "req": held(1)[0], "local": [int(x) for x in loc],
-                         "remote": [int(x) for x in rem]})["ok"]
-        if not ok:
+        reply = decode.ask({"op": "verify", "req": held(1)[0], "local": [int(x) for x in loc],
+                            "remote": [int(x) for x in rem]})
+        if not reply["ok"]:
             raise RuntimeError(f"vLLM connector ({when}): the bytes read do not match the prefill pattern")
+        checked += int(reply["blocks"])
 
     host, port = p_ready["address"].removeprefix("tcp://").rsplit(":", 1)
     ctx.progress("vLLM connector: handshakes (vLLM's handshake thread; the engine dropped between)")
@@ -177,7 +181,7 @@ def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -
         details.append(r)
     out.update(close_1=closes, threads_open=opened, threads_closed=after)
     verify("after the close runs")
-    out["info"] = {"verified": True, "close": details, "close_transport": spec.slow_tls,
+    out["info"] = {"verified_blocks": checked, "close": details, "close_transport": spec.slow_tls,
                    "first_handshake_s": connect["connect"][0],
                    "geometry": {"layers (regions)": spec.regions, "block_tokens": spec.vllm_block_tokens,
                                 "kv_heads": spec.vllm_kv_heads, "head_dim": spec.vllm_head_dim,

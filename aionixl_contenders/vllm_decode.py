@@ -149,7 +149,7 @@ class Decode:
         self.read(cmd["req"], [int(x) for x in local], [int(x) for x in remote])
         ok = all(np.array_equal(words[layer, local], expected_words(layer, remote, words.shape[2]))
                  for layer in range(words.shape[0]))
-        return {"ok": ok}
+        return {"ok": ok, "blocks": len(local) if ok else 0}  # block ids compared (every layer)
 
     def cmd_idle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """CPU of this whole process while the engine loop is blocked, as an idle engine's is."""

@@ -1,7 +1,10 @@
 """``aionixl bench``: one --quick run checked for the shape of its JSON and its PNG.
 
 No timings are asserted: the numbers depend on the machine. What must hold is that every
-contender ran, verified its bytes, and produced finite numbers where it has the measure.
+contender ran, verified its bytes (a count of blocks compared, never a flag it sets itself),
+and produced finite numbers where it has the measure. The host<->device rows of ``--device
+cuda`` run here on a DRAM stand-in for the host cache (there is no GPU): their writes must put
+a pattern the prefill side never held and read it back.
 """
 
 from __future__ import annotations
@@ -14,10 +17,18 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+
+from aionixl._bench import UnverifiedError, mark_verified
+from aionixl._bench._context import Context, Progress
+from aionixl._bench._memory import WRITE_SALT, KVMemory
+from aionixl._bench._spec import quick_spec
+from aionixl._bench._target import Target
 
 CONTENDERS = {"bare", "threaded", "memcpy", "asyncio", "trio"}
 NIXL = {"bare", "threaded", "asyncio", "trio"}
@@ -74,7 +85,9 @@ def test_quick_run_writes_json_of_the_right_shape(quick_run: Any) -> None:
     assert set(report["contenders"]) == CONTENDERS
     for name, c in report["contenders"].items():
         assert c["ok"] and c["error"] is None, name
-        assert report["info"][name]["verified"] is True, name
+        info = report["info"][name]
+        # At least the checks before and after the timed loops, 64 block ids each, all passed.
+        assert info["verified"] is True and info["verified_blocks"] >= 2 * 64, (name, info)
     assert report["config"]["quick"] is True
     measures = report["measures"]
     assert set(EXPECTED) <= set(measures)
@@ -111,6 +124,8 @@ def test_quick_run_writes_json_of_the_right_shape(quick_run: Any) -> None:
         assert metrics["transfers"]["read"]["ok"] == sum(metrics["transfer_seconds"]["read"]["counts"])
         assert min(report["info"][backend]["close_in_flight"]) > 0
         assert report["info"][backend]["close_resources_left"] == [0]
+    assert "bytes verified for every contender" in proc.stdout
+    assert "compared with the expected pattern: bare NIXL 192," in proc.stdout
     # The table went to stdout.
     assert "Targets" in proc.stdout and "bare NIXL" in proc.stdout
     assert "Traceback" not in proc.stderr
@@ -176,3 +191,122 @@ def test_children_start_as_modules_of_this_aionixl() -> None:
     assert argv == [sys.executable, "-m", "aionixl_contenders.target", "--peers", "1"]
     root = str(Path(aionixl.__file__).resolve().parent.parent)
     assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
+
+
+def test_verified_comes_only_from_a_positive_count_of_blocks_compared() -> None:
+    for info in ({}, {"verified": True}, {"verified_blocks": 0}, {"verified_blocks": True},
+                 {"verified_blocks": "64"}):
+        result: dict[str, Any] = {"seq_1": [1e-6], "info": dict(info)}
+        with pytest.raises(UnverifiedError, match="compared none of the bytes"):
+            mark_verified(result)
+        assert result["info"]["verified"] is False, info
+    result = {"info": {"verified_blocks": 64}}
+    assert mark_verified(result) == 64 and result["info"]["verified"] is True
+    with pytest.raises(UnverifiedError):
+        mark_verified({})  # no info at all
+
+
+# ---- host<->device rows on a DRAM stand-in (the --device cuda code paths, without a GPU)
+
+HOST_SPEC = replace(quick_spec(), layers=1, blocks=64, block_bytes=4096, peers=1, bulk_bytes=16 * 8192,
+                    bulk_count=2, repeats=1, seq={1: 2, 16: 2}, scattered=(16,), inflight=(16,),
+                    lag_workers=16)
+
+
+@pytest.fixture(scope="module")
+def host_ctx() -> Iterator[Context]:
+    """A real prefill process (one unit, DRAM) and a Context whose ``host`` is a second DRAM
+    cache: what ``--device cuda`` gives the contenders, with DRAM where VRAM would be."""
+    spec = HOST_SPEC
+    assert spec.bulk_blocks == 16 and not spec.problems()
+    target = Target(spec.layers, spec.blocks, spec.block_bytes, "cpu", spec.peers)
+    try:
+        target.wait_ready()
+        local = KVMemory(spec.regions, spec.blocks, spec.block_bytes)
+        host = KVMemory(spec.regions, spec.blocks, spec.block_bytes)
+        yield Context(spec, local, target, Progress(False), host)
+    finally:
+        target.stop()
+
+
+def _prefill_intact(ctx: Context, salt: int = 0) -> bool:
+    """Whether the prefill blocks the write rows write hold the pattern with ``salt``
+    (read back into our cleared blocks by bare NIXL, a path independent of aionixl)."""
+    from aionixl_contenders.bare_nixl import BareNixl
+
+    loc, rem = ctx.write_pair()
+    bare = BareNixl(ctx, ctx.unique("check"), ctx.local)
+    try:
+        ctx.local.clear(loc)
+        bare.one(ctx.local_indices(loc), ctx.remote_indices(rem))
+        return ctx.local.check(loc, rem, salt)
+    finally:
+        bare.close()
+
+
+def _rows_ok(rows: dict[str, list[float]], spec: Any) -> None:
+    assert set(rows) == {"bulk_d2h", "bulk_h2d"}
+    for key, values in rows.items():
+        assert len(values) == spec.repeats and all(_finite(v) and v > 0 for v in values), (key, values)
+
+
+def test_write_pair_and_salted_pattern(host_ctx: Context) -> None:
+    loc, rem = host_ctx.write_pair()
+    assert len(loc) == len(rem) == HOST_SPEC.bulk_blocks and loc == list(range(loc[0], loc[0] + 16))
+    assert _prefill_intact(host_ctx) and not _prefill_intact(host_ctx, WRITE_SALT)
+    memory = KVMemory(2, 4, 64)
+    memory.fill_expected([0, 1], [2, 3], WRITE_SALT)
+    assert memory.check([0, 1], [2, 3], WRITE_SALT)
+    assert not memory.check([0, 1], [2, 3]) and not memory.check([0, 1], [2, 3], WRITE_SALT ^ 1)
+
+
+def test_aionixl_host_device_rows_write_a_new_pattern_and_read_it_back(host_ctx: Context) -> None:
+    from aionixl._bench import _aionixl
+
+    rows, checked = anyio.run(_aionixl._host_device, host_ctx, "aionixl test")
+    _rows_ok(rows, HOST_SPEC)
+    # Two checks of the 64-block verify set, the written pattern and the restored one (16 each).
+    assert checked == 2 * 64 + 2 * 16
+    assert _prefill_intact(host_ctx)  # restored for whoever reads next
+
+
+def test_aionixl_host_to_device_writes_that_move_nothing_fail_verification(
+        host_ctx: Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aionixl._bench import _aionixl
+    from aionixl._transfers import Transfers
+
+    real = Transfers.transfer_blocks
+
+    async def writes_move_nothing(self: Transfers, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("op") == "write":
+            return None  # "done", and nothing moved
+        return await real(self, *args, **kwargs)
+
+    # Engine binds its transfer_blocks to this class's method when it is created.
+    monkeypatch.setattr(Transfers, "transfer_blocks", writes_move_nothing)
+    with pytest.raises(RuntimeError, match="do not hold the distinct pattern written"):
+        anyio.run(_aionixl._host_device, host_ctx, "aionixl test")
+    monkeypatch.undo()
+    assert _prefill_intact(host_ctx)
+
+
+def test_bare_nixl_host_device_rows_write_a_new_pattern_and_read_it_back(host_ctx: Context) -> None:
+    from aionixl_contenders.bare_nixl import host_device
+
+    rows, checked = host_device(host_ctx)
+    _rows_ok(rows, HOST_SPEC)
+    assert checked == 2 * 64 + 2 * 16
+    assert _prefill_intact(host_ctx)
+
+
+def test_memcpy_host_device_rows_copy_a_new_pattern_and_check_it(host_ctx: Context) -> None:
+    from aionixl._bench._memcpy import host_device
+
+    spec = HOST_SPEC
+    source = KVMemory(spec.regions, spec.blocks, spec.block_bytes)
+    source.fill_pattern()
+    rows, checked = host_device(host_ctx, source)
+    _rows_ok(rows, spec)
+    assert checked == 64 + 16
+    every = list(range(spec.blocks))
+    assert source.check(every, every)  # its pattern back for the bulk reference

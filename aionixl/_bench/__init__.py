@@ -44,6 +44,28 @@ class BenchError(Exception):
     """A problem with the run's set-up, reported as one line (exit code 2)."""
 
 
+class UnverifiedError(RuntimeError):
+    """A contender finished without comparing any bytes it moved with the expected pattern."""
+
+
+def mark_verified(result: dict[str, Any]) -> int:
+    """Set ``result["info"]["verified"]`` from the count the contender reports, never from
+    the contender's say-so: ``verified_blocks`` (block ids whose bytes, in every region, it
+    compared with the expected pattern, counting only checks that passed; a mismatch raises
+    in the contender) must be a positive int. Returns that count; raises
+    :class:`UnverifiedError` (the contender fails) when it is 0 or missing."""
+    info = result.setdefault("info", {})
+    count = info.get("verified_blocks", 0)
+    if isinstance(count, bool) or not isinstance(count, int):
+        count = 0
+    info["verified_blocks"] = count
+    info["verified"] = count > 0
+    if count <= 0:
+        raise UnverifiedError("it compared none of the bytes it moved with the expected pattern "
+                              "(verified_blocks = 0)")
+    return count
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="CI-sized run (same measures, fewer repeats)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -226,8 +248,10 @@ def _run(args: argparse.Namespace) -> int:
         ctx.target_factory = new_target
         for name in [c for c in ORDER if c in chosen]:
             try:
-                raw[name] = _run_one(name, ctx, source)
-                _finite(raw[name])
+                result = _run_one(name, ctx, source)
+                _finite(result)
+                mark_verified(result)
+                raw[name] = result
             except Exception as exc:
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 progress.done()
@@ -330,11 +354,17 @@ def _report(spec: Spec, machine: dict[str, Any], chosen: list[str],
                 f"({machine['processor']}), UCX transports: {machine['ucx_tls']}; {elapsed:.1f} s")
     wake_n = ", ".join(f"{c} {len(raw.get(c, {}).get('wake', []))}" for c in ("asyncio", "trio")
                        if c in chosen)
+    checked = {c: int(raw[c]["info"]["verified_blocks"]) for c in ORDER if c in raw}
+    unverified = [CONTENDERS[c][0] for c in ORDER if c in chosen and not checked.get(c)]
+    verified = ("bytes verified for every contender" if not unverified else
+                f"bytes NOT verified for {', '.join(unverified)} (failed or compared nothing)")
     notes = [
         f"  prefill side: {spec.peers} aionixl engines in a child process, NIXL progressed on every "
         "event-loop turn while measuring (resting while connect and idle CPU are measured)",
         f"  medians over {spec.repeats} repeats; threaded model = a MODEL of the thread-based connector "
-        f"design, engine step {spec.step_s * 1e3:g} ms; bytes verified for every contender",
+        f"design, engine step {spec.step_s * 1e3:g} ms; {verified}",
+        "  block ids whose bytes (every region) were compared with the expected pattern: "
+        + (", ".join(f"{CONTENDERS[c][0]} {n}" for c, n in checked.items()) or "none"),
         f"  completion-to-wake samples: {wake_n or 'none'} (over UCX tcp; "
         "on the default transport short reads finish inside the post and never reach the poller)",
     ]
@@ -381,4 +411,4 @@ def _report(spec: Spec, machine: dict[str, Any], chosen: list[str],
     }
 
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["UnverifiedError", "add_arguments", "main", "mark_verified"]

@@ -23,6 +23,7 @@ from .._config import EngineConfig
 from .._engine import Engine, Peer
 from .._errors import EngineClosedError
 from ._context import Context, Ids
+from ._memory import WRITE_SALT, KVMemory
 
 
 async def _seq(eng: Engine, peer: Peer, pairs: list[tuple[Ids, Ids]], n: int, op: str = "read") -> float:
@@ -103,12 +104,15 @@ async def _inflight_spawn(eng: Engine, peer: Peer, pairs: list[tuple[list[int], 
     return (time.perf_counter() - t) / len(pairs)
 
 
-async def _verify(ctx: Context, eng: Engine, peer: Peer, what: str) -> None:
-    ctx.clear_verify_set(None if what != "host" else ctx.host)
+async def _verify(ctx: Context, eng: Engine, peer: Peer, what: str, memory: KVMemory | None = None) -> int:
+    """Read the verify set into cleared blocks of ``memory`` (ours by default) and compare its
+    bytes with the prefill pattern; raises on a mismatch, else returns the block ids compared."""
+    ctx.clear_verify_set(memory)
     loc, rem = ctx.verify_set
     await eng.transfer_blocks(peer, loc, rem)
-    if not ctx.check_verify_set(None if what != "host" else ctx.host):
+    if not ctx.check_verify_set(memory):
         raise RuntimeError(f"aionixl ({what}): the bytes read do not match the prefill pattern")
+    return ctx.verify_blocks
 
 
 async def loop_lag(eng: Engine | None, peers: list[Peer], workers: int, window: float,
@@ -169,14 +173,15 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
     spec = ctx.spec
     label = f"aionixl on {backend}"
     out: dict[str, Any] = {}
-    info: dict[str, Any] = {"verified": True, "backend": backend}
+    info: dict[str, Any] = {"backend": backend}
+    checked = 0  # block ids whose bytes were compared with the expected pattern
     unit = ctx.units[0]
     ctx.spin()
     ctx.progress(f"{label}: engine, connect")
     async with Engine(ctx.unique(f"aionixl-{backend}"), ctx.local.regions) as eng:
         peer = await eng.connect(unit.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])  # wire-up
-        await _verify(ctx, eng, peer, "start")
+        checked += await _verify(ctx, eng, peer, "start")
         wakes: list[int] = []
         eng.trace_wakeups(wakes)
         ref = ctx.open_reference()
@@ -230,14 +235,16 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
             out["bulk"] = [nbytes / t for t in mine]
             if theirs:  # throughput ratio: their time / ours
                 paired["bulk_vs_memcpy"] = _ratios(theirs[0], mine)
-            out.update(await _push_reads(ctx, label, unit.address, bulk))
+            rows, pushed = await _push_reads(ctx, label, unit.address, bulk)
+            out.update(rows)
+            checked += pushed
         finally:
             if ref is not None:
                 ref.close()
         info["paired"] = paired
         info["wake_samples_default_transport"] = len(wakes)
         eng.trace_wakeups(None)
-        await _verify(ctx, eng, peer, "after the timed loops")
+        checked += await _verify(ctx, eng, peer, "after the timed loops")
 
         ctx.progress(f"{label}: event-loop lag")
         out["lag_idle"] = [_p99(await loop_lag(None, [], 0, spec.lag_window_s, spec.lag_tick_s))
@@ -268,12 +275,15 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
         out["idle_cpu"] = idle
         ctx.spin()
         await eng.transfer_blocks(peer, [0], [0])
-        await _verify(ctx, eng, peer, "after reconnecting")
+        checked += await _verify(ctx, eng, peer, "after reconnecting")
         info["metrics"] = eng.metrics().as_dict()  # everything this engine did, for the record
     info["resources_left"] = sum(eng.live_resources().values())
 
     if ctx.host is not None:
-        out.update(await _host_device(ctx, label))
+        rows, host_checked = await _host_device(ctx, label)
+        out.update(rows)
+        checked += host_checked
+    info["verified_blocks"] = checked
 
     closes, at_close, left = [], [], []
     for i in range(spec.close_repeats):
@@ -304,9 +314,10 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
 
 
 async def _push_reads(ctx: Context, label: str, address: str, bulk: list[tuple[Ids, Ids]],
-                      ) -> dict[str, list[float]]:
+                      ) -> tuple[dict[str, list[float]], int]:
     """The same one-block and 16 MiB reads in push mode (the peer writes into our blocks:
-    what ``read_mode="auto"`` picks over UCX TCP), so the cost of that extra hop is on record."""
+    what ``read_mode="auto"`` picks over UCX TCP), so the cost of that extra hop is on record.
+    Also returns the block ids verified."""
     spec = ctx.spec
     out: dict[str, list[float]] = {}
     config = EngineConfig(read_mode="push")
@@ -321,8 +332,8 @@ async def _push_reads(ctx: Context, label: str, address: str, bulk: list[tuple[I
         nbytes = spec.bulk_blocks * spec.bytes_per_block_id
         out["bulk_push"] = [nbytes / await _seq(eng, peer, bulk, spec.bulk_count)
                             for _ in range(spec.repeats)]
-        await _verify(ctx, eng, peer, "after the push-mode reads")
-    return out
+        checked = await _verify(ctx, eng, peer, "after the push-mode reads")
+    return out, checked
 
 
 async def _doomed(eng: Engine, peer: Peer, ids: list[int], counts: dict[str, int]) -> None:
@@ -385,23 +396,43 @@ async def _close_once(ctx: Context, backend: str, first: bool, npeers: int | Non
     return seconds, inflight, leftover, extra
 
 
-async def _host_device(ctx: Context, label: str) -> dict[str, list[float]]:
-    """--device cuda: DRAM here <-> VRAM on the prefill side, 16 MiB at a time."""
+async def _host_device(ctx: Context, label: str) -> tuple[dict[str, list[float]], int]:
+    """--device cuda: DRAM here <-> VRAM on the prefill side, 16 MiB at a time. Returns the
+    rows and the block ids verified.
+
+    The reads are checked as everywhere else. The writes put a pattern the prefill side
+    never holds on its own (``WRITE_SALT``) into its blocks, which are then read back and
+    checked, so a write that moved nothing fails; then the prefill pattern is written back
+    (checked the same way) for the contenders after this one.
+    """
     spec = ctx.spec
-    assert ctx.host is not None
+    host = ctx.host
+    assert host is not None
+    who = f"{label} (host<->device)"
     out: dict[str, list[float]] = {}
     nbytes = spec.bulk_blocks * spec.bytes_per_block_id
-    async with Engine(ctx.unique("aionixl-host"), ctx.host.regions) as eng:
+    async with Engine(ctx.unique("aionixl-host"), host.regions) as eng:
         peer = await eng.connect(ctx.units[0].address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])
-        await _verify(ctx, eng, peer, "host")
+        checked = await _verify(ctx, eng, peer, "host", host)
         pairs = ctx.workload("contiguous", spec.bulk_blocks)
         ctx.progress(f"{label}: 16 MiB device->host reads")
         out["bulk_d2h"] = [nbytes / await _seq(eng, peer, pairs, spec.bulk_count)
                            for _ in range(spec.repeats)]
-        loc, rem = pairs[0]
-        ctx.host.fill_expected([int(x) for x in loc], [int(x) for x in rem])
+        checked += await _verify(ctx, eng, peer, "host, after the device->host reads", host)
+        loc, rem = ctx.write_pair()
+
+        async def read_back(salt: int) -> int:
+            host.clear(loc)
+            await eng.transfer_blocks(peer, loc, rem)
+            return ctx.check_read_back(loc, rem, salt, who)
+
+        host.fill_expected(loc, rem, WRITE_SALT)
         ctx.progress(f"{label}: 16 MiB host->device writes")
-        out["bulk_h2d"] = [nbytes / await _seq(eng, peer, [pairs[0]], spec.bulk_count, op="write")
+        out["bulk_h2d"] = [nbytes / await _seq(eng, peer, [(loc, rem)], spec.bulk_count, op="write")
                            for _ in range(spec.repeats)]
-    return out
+        checked += await read_back(WRITE_SALT)
+        host.fill_expected(loc, rem)  # the prefill pattern back, for the contenders after this one
+        await eng.transfer_blocks(peer, loc, rem, op="write")
+        checked += await read_back(0)
+    return out, checked

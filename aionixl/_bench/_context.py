@@ -178,6 +178,29 @@ class Context:
     def clear_verify_set(self, memory: KVMemory | None = None) -> None:
         (self.local if memory is None else memory).clear(self.verify_set[0])
 
+    @property
+    def verify_blocks(self) -> int:
+        """Block ids one check of the verify set compares (each in every region): what a
+        contender adds to its ``verified_blocks`` count per check that passed."""
+        return len(self.verify_set[0])
+
+    # ---- host<->device (--device cuda) ------------------------------------------------
+
+    def write_pair(self) -> tuple[list[int], list[int]]:
+        """(host ids, prefill ids) of the host->device write rows: the first bulk pair."""
+        loc, rem = self.workload("contiguous", self.spec.bulk_blocks)[0]
+        return [int(x) for x in loc], [int(x) for x in rem]
+
+    def check_read_back(self, loc: list[int], rem: list[int], salt: int, who: str) -> int:
+        """After prefill blocks ``rem`` were read back into the host's (cleared) ``loc``: raise
+        unless they hold the pattern that was written there (``salt``: see
+        :meth:`KVMemory.fill_expected`); else the number of block ids compared."""
+        assert self.host is not None
+        if not self.host.check(loc, rem, salt):
+            what = "the distinct pattern written" if salt else "the prefill pattern restored"
+            raise RuntimeError(f"{who}: the blocks read back from the prefill side do not hold {what}")
+        return len(loc)
+
     def open_reference(self) -> Reference | None:
         return self.reference_factory()
 

@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 from ._context import Context, Ids, Results
-from ._memory import KVMemory, _torch
+from ._memory import WRITE_SALT, KVMemory, _torch
 
 
 def _copier(dst: KVMemory, src: KVMemory, loc: Ids, rem: Ids, contiguous: bool) -> Callable[[], None]:
@@ -68,19 +68,11 @@ def run(ctx: Context, source: KVMemory) -> dict[str, Any]:
     out: dict[str, Any] = {}
     dst = ctx.local
 
-    def copies(kind: str, nblocks: int, to: KVMemory = dst,
-               frm: KVMemory = source) -> list[Callable[[], None]]:
-        return [_copier(to, frm, loc, rem, kind == "contiguous")
+    def copies(kind: str, nblocks: int) -> list[Callable[[], None]]:
+        return [_copier(dst, source, loc, rem, kind == "contiguous")
                 for loc, rem in ctx.workload(kind, nblocks)]
 
-    def verify(memory: KVMemory = dst, frm: KVMemory = source) -> None:
-        ctx.clear_verify_set(memory)
-        loc, rem = ctx.verify_set
-        _copier(memory, frm, loc, rem, contiguous=False)()
-        if not ctx.check_verify_set(memory):
-            raise RuntimeError("numpy.copyto: the copied bytes do not match the pattern")
-
-    verify()
+    checked = _verify(ctx, dst, source)
     results: Results = {}
     for nblocks, count in spec.seq.items():
         c = copies("contiguous", nblocks)
@@ -95,18 +87,52 @@ def run(ctx: Context, source: KVMemory) -> dict[str, Any]:
     bulk = copies("contiguous", spec.bulk_blocks)
     results["bulk"] = [nbytes / s for s in ctx.timed_repeats(
         "numpy.copyto: 16 MiB", lambda: _seq(bulk, spec.bulk_count))]
-    verify()
+    checked += _verify(ctx, dst, source)
     if ctx.host is not None:
-        d2h = copies("contiguous", spec.bulk_blocks, to=ctx.host, frm=source)
-        h2d = copies("contiguous", spec.bulk_blocks, to=source, frm=ctx.host)
-        results["bulk_d2h"] = [nbytes / s for s in ctx.timed_repeats(
-            "Tensor.copy_: 16 MiB device->host", lambda: _seq(d2h, spec.bulk_count))]
-        results["bulk_h2d"] = [nbytes / s for s in ctx.timed_repeats(
-            "Tensor.copy_: 16 MiB host->device", lambda: _seq(h2d, spec.bulk_count))]
-        source.fill_pattern()  # the host copy overwrote part of the source
+        rows, host_checked = host_device(ctx, source)
+        results.update(rows)
+        checked += host_checked
     out.update(results)
-    out["info"] = {"verified": True}
+    out["info"] = {"verified_blocks": checked}
     return out
+
+
+def _verify(ctx: Context, memory: KVMemory, frm: KVMemory) -> int:
+    """Copy the verify set from ``frm`` into cleared blocks of ``memory`` and compare the
+    bytes with the prefill pattern; raises on a mismatch, else the block ids compared."""
+    ctx.clear_verify_set(memory)
+    loc, rem = ctx.verify_set
+    _copier(memory, frm, loc, rem, contiguous=False)()
+    if not ctx.check_verify_set(memory):
+        raise RuntimeError("numpy.copyto: the copied bytes do not match the pattern")
+    return ctx.verify_blocks
+
+
+def host_device(ctx: Context, source: KVMemory) -> tuple[Results, int]:
+    """--device cuda: ``Tensor.copy_`` between the device cache ``source`` and the host
+    cache, 16 MiB at a time; returns the rows and the block ids verified. The host->device
+    copies carry a pattern ``source`` never holds on its own (``WRITE_SALT``), checked on
+    the device side afterwards; then ``source`` gets its prefill pattern back."""
+    spec = ctx.spec
+    host = ctx.host
+    assert host is not None
+    nbytes = spec.bulk_blocks * spec.bytes_per_block_id
+    results: Results = {}
+    d2h = [_copier(host, source, loc, rem, True) for loc, rem in ctx.workload("contiguous", spec.bulk_blocks)]
+    results["bulk_d2h"] = [nbytes / s for s in ctx.timed_repeats(
+        "Tensor.copy_: 16 MiB device->host", lambda: _seq(d2h, spec.bulk_count))]
+    checked = _verify(ctx, host, source)
+    # host blocks `rem` -> device blocks `loc`: the host holds the salted pattern of `loc`.
+    loc, rem = ctx.write_pair()
+    host.fill_expected(rem, loc, WRITE_SALT)
+    h2d = [_copier(source, host, loc, rem, True)]
+    results["bulk_h2d"] = [nbytes / s for s in ctx.timed_repeats(
+        "Tensor.copy_: 16 MiB host->device", lambda: _seq(h2d, spec.bulk_count))]
+    if not source.check(loc, loc, WRITE_SALT):
+        raise RuntimeError("Tensor.copy_: the device blocks do not hold the pattern copied from the host")
+    checked += len(loc)
+    source.fill_pattern()  # the host copies overwrote part of the source
+    return results, checked
 
 
 def bulk_reference(ctx: Context, source: KVMemory) -> Callable[[], float]:

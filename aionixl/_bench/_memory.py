@@ -3,7 +3,9 @@
 A cache is ``2 * layers`` regions (K and V per layer), each ``[blocks, block_bytes]`` bytes,
 in DRAM (numpy) or VRAM (torch on CUDA). The prefill side fills block ``b`` of region ``r``
 with 64-bit words that encode ``(r, b, word index)``, so a block read into the wrong place,
-or not at all, fails :meth:`KVMemory.check`.
+or not at all, fails :meth:`KVMemory.check`. A ``salt`` gives a second pattern of the same
+shape that the prefill side never holds on its own (:data:`WRITE_SALT`): the host->device rows
+write it there and read it back, so a write that moved nothing fails the check as well.
 
 Nothing here calls NIXL; the bare-NIXL and threaded contenders get plain descriptor arrays
 from :func:`block_descriptors` and :func:`registration_spans`.
@@ -20,6 +22,9 @@ import numpy.typing as npt
 
 U64 = npt.NDArray[np.uint64]
 _SEED = 0x5A17  # mixed into every word so that zeroed memory never passes
+#: XORed into every word of the pattern that the host->device rows write to the prefill
+#: side: every word differs from the one the prefill process filled in.
+WRITE_SALT = 0xC0DE_0000_0000_BEEF
 
 
 def _torch() -> Any:
@@ -37,11 +42,12 @@ def cuda_problem() -> str | None:
     return None
 
 
-def expected_words(region: int, blocks: npt.NDArray[np.int64], words: int) -> U64:
-    """The pattern words of ``blocks`` of ``region``: shape ``[len(blocks), words]``."""
+def expected_words(region: int, blocks: npt.NDArray[np.int64], words: int, salt: int = 0) -> U64:
+    """The pattern words of ``blocks`` of ``region``: shape ``[len(blocks), words]``; a
+    non-zero ``salt`` (a 64-bit int) changes every word."""
     b = blocks.astype(np.uint64).reshape(-1, 1) << np.uint64(24)
     w = np.arange(words, dtype=np.uint64).reshape(1, -1)
-    return (b | w | (np.uint64(region) << np.uint64(48))) ^ np.uint64(_SEED)
+    return (b | w | (np.uint64(region) << np.uint64(48))) ^ np.uint64(_SEED ^ salt)
 
 
 class KVMemory:
@@ -118,14 +124,15 @@ class KVMemory:
         self.sync()
 
     def check(self, local_ids: Sequence[int] | npt.NDArray[np.integer[Any]],
-              remote_ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> bool:
-        """True when our blocks ``local_ids`` hold the prefill pattern of ``remote_ids``."""
+              remote_ids: Sequence[int] | npt.NDArray[np.integer[Any]], salt: int = 0) -> bool:
+        """True when our blocks ``local_ids`` hold the prefill pattern of ``remote_ids``
+        (with ``salt``: that variant of it), in every region."""
         local = np.asarray(local_ids, dtype=np.int64)
         remote = np.asarray(remote_ids, dtype=np.int64)
         words = self.block_bytes // 8
         self.sync()
         for r, region in enumerate(self.regions):
-            want = expected_words(r, remote, words)
+            want = expected_words(r, remote, words, salt)
             if self.device == "cpu":
                 got = region[local].view(np.uint64)
             else:
@@ -135,13 +142,13 @@ class KVMemory:
                 return False
         return True
 
-    def fill_expected(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> None:
-        """Put the prefill pattern of ``remote_ids`` into our ``local_ids`` (for writes that
-        must leave the prefill side's contents unchanged)."""
+    def fill_expected(self, local_ids: Sequence[int], remote_ids: Sequence[int], salt: int = 0) -> None:
+        """Put the prefill pattern of ``remote_ids`` (with ``salt``: that variant of it) into
+        our ``local_ids``: what a write from these blocks must leave on the prefill side."""
         words = self.block_bytes // 8
         remote = np.asarray(remote_ids, dtype=np.int64)
         for r, region in enumerate(self.regions):
-            values = expected_words(r, remote, words)
+            values = expected_words(r, remote, words, salt)
             for i, b in enumerate(local_ids):
                 if self.device == "cpu":
                     region[b].view(np.uint64)[:] = values[i]
