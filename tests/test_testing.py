@@ -24,6 +24,7 @@ from aionixl.testing import (
     Pair,
     RemoteEngine,
     RemoteEngineError,
+    RemoteEngineStopError,
     assert_blocks_equal,
     assert_no_resources,
     block_bytes,
@@ -213,7 +214,7 @@ async def test_paused_remote_times_out_a_read_and_serves_it_after_resume(
         await local.transfer_blocks(peer, [1, 2, 3, 4], [4, 5, 6, 7], timeout=30)
         assert_blocks_equal(caches, [0, 1, 2, 3, 4], 21, [0, 4, 5, 6, 7], **GEOMETRY)
     pid = remote.pid
-    await remote.aclose()
+    assert await remote.aclose() is None  # a clean graceful stop reports nothing
     assert gone(pid)
 
 
@@ -260,6 +261,61 @@ async def test_a_child_that_cannot_start_is_reported() -> None:
         async with RemoteEngine(seed=1, num_blocks=2, listen="bogus://nowhere"):
             pass  # pragma: no cover
     assert info.value.returncode == 3
+
+
+# Real children behind wrappers (RemoteEngine runs ``*command_prefix, python -c BOOTSTRAP SPEC``):
+#: runs the child, which stops cleanly, then exits with status 7 itself.
+EXIT_7 = ["sh", "-c", '"$@"; exit 7', "sh"]
+#: runs the child's own bootstrap in a Python whose ``Agent.deregister_all`` does nothing,
+#: so that its engine really closes with its memory registrations still in NIXL.
+LEAK_REGISTRATIONS = [sys.executable, "-c", textwrap.dedent("""
+    import sys
+    from aionixl import _nixl
+    _nixl.Agent.deregister_all = lambda self: None
+    bootstrap, sys.argv = sys.argv[3], [sys.argv[0], *sys.argv[4:]]
+    exec(bootstrap)
+""")]
+
+
+@pytest.mark.anyio
+async def test_a_child_that_exits_non_zero_on_a_graceful_stop_fails_the_stop() -> None:
+    remote = RemoteEngine(seed=2, command_prefix=EXIT_7, **GEOMETRY)
+    caches = make_caches(90, **GEOMETRY)
+    with pytest.raises(RemoteEngineStopError, match="graceful stop failed: the child exited with a "
+                                                   "non-zero status") as info:
+        async with remote, aionixl.Engine(unique_name("reader"), caches, listen=None) as local:
+            peer = await local.connect(remote.address, timeout=30)  # it serves as usual
+            await local.transfer_blocks(peer, [0], [7])
+            assert_blocks_equal(caches, [0], 2, [7], **GEOMETRY)
+    assert info.value.returncode == 7 and "(exit status 7)" in str(info.value)
+    # The child itself reported a clean close: only the exit status is wrong.
+    assert info.value.resources is not None and "registrations" in info.value.resources
+    assert not any(info.value.resources.values()), info.value.resources
+    assert gone(remote.pid)
+    # restart() stops the running child gracefully first: the same failure, raised there.
+    again = await RemoteEngine(seed=2, command_prefix=EXIT_7, num_blocks=2)
+    first_pid = again.pid
+    with pytest.raises(RemoteEngineStopError, match="non-zero status") as info:
+        await again.restart()
+    assert info.value.returncode == 7 and not again.running and again.pid == first_pid
+    assert await again.aclose() is None  # reported once, not again
+    assert gone(first_pid)
+
+
+@pytest.mark.anyio
+async def test_a_child_whose_engine_leaves_nixl_resources_fails_the_stop() -> None:
+    factory = RemoteEngineFactory()  # what the aionixl_remote fixture tears down
+    remote = await factory(seed=3, command_prefix=LEAK_REGISTRATIONS, **GEOMETRY)
+    assert (await remote.live_resources())["registrations"] >= 1  # open: registered, as usual
+    leak = (r"graceful stop failed: the child's engine still held NIXL resources after closing: "
+            r"registrations=\d+")
+    with pytest.raises(RemoteEngineStopError, match=leak) as info:
+        await factory.aclose()
+    resources = info.value.resources
+    assert info.value.returncode == 0 and resources is not None
+    assert resources["registrations"] >= 1
+    assert sum(resources.values()) == resources["registrations"], resources
+    assert gone(remote.pid)
 
 
 # ---- the fixtures under pytest-asyncio alone, in a fresh pytest

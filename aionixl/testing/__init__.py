@@ -7,6 +7,8 @@ Everything here runs real NIXL agents and real transfers; nothing is faked.
   :func:`assert_blocks_equal` checks blocks read against that rule.
 - :class:`RemoteEngine` runs an :class:`aionixl.Engine` in a child process that a test can
   pause (SIGSTOP), resume, kill (SIGKILL) and restart on the same address with new content.
+  Its graceful stop is checked: a child that exits non-zero or whose engine still holds NIXL
+  resources after closing raises :class:`RemoteEngineStopError`.
 - :func:`engine_pair` gives two connected engines in this process.
 - :class:`TwoHosts` gives two network namespaces joined by a veth pair whose link a test
   can cut (root only).
@@ -43,7 +45,7 @@ from ._caches import (
 )
 from ._hosts import Host, TwoHosts, TwoHostsError
 from ._pair import Pair, engine_pair
-from ._remote import RemoteEngine, RemoteEngineError
+from ._remote import RemoteEngine, RemoteEngineError, RemoteEngineStopError
 
 __all__ = [
     "DEFAULT_BLOCK_SHAPE",
@@ -52,6 +54,7 @@ __all__ = [
     "Pair",
     "RemoteEngine",
     "RemoteEngineError",
+    "RemoteEngineStopError",
     "TwoHosts",
     "TwoHostsError",
     "Host",

@@ -57,6 +57,23 @@ class RemoteEngineError(AionixlError):
         self.stderr_tail = stderr_tail
 
 
+class RemoteEngineStopError(RemoteEngineError):
+    """A graceful stop of a :class:`RemoteEngine` went wrong: the child exited with a non-zero
+    status (or had to be terminated), did not report its engine's close, or reported NIXL
+    resources its engine still held after closing.
+
+    ``resources`` is what the child reported (its engine's ``live_resources()`` after the
+    close; every count 0 when clean), or None when it reported nothing. Raised on leaving
+    ``async with``, by :meth:`RemoteEngine.restart` and at the ``aionixl_remote`` fixture's
+    teardown; :meth:`RemoteEngine.aclose` returns it.
+    """
+
+    def __init__(self, message: str, *, resources: dict[str, int] | None, returncode: int | None = None,
+                 stderr_tail: str = "") -> None:
+        super().__init__(message, returncode=returncode, stderr_tail=stderr_tail)
+        self.resources = resources
+
+
 _START_TIMEOUT = 60.0  # NIXL start-up is slow on a loaded machine
 _CONTROL_TIMEOUT = 30.0  # margin on every control request
 _STOP_TIMEOUT = 15.0  # a graceful stop; the engine's own close is bounded by close_timeout
@@ -75,6 +92,7 @@ class _Reply(msgspec.Struct, frozen=True):
     name: str = ""
     address: str | None = None
     pid: int = 0
+    resources: dict[str, int] | None = None  # event "stopped": live_resources() after the close
 
 
 class RemoteEngine:
@@ -91,6 +109,9 @@ class RemoteEngine:
     its own control pipe, not through the engine under test. They keep waiting while the
     child is paused. A child that died on its own is reported by any method that talks to
     it, and on exit, as :class:`RemoteEngineError` with its exit status and stderr tail.
+    A graceful stop (on exit, :meth:`aclose`, :meth:`restart`) is checked too: a child
+    that exits non-zero, has to be terminated, or reports NIXL resources left after its
+    engine's close is reported as :class:`RemoteEngineStopError`.
     """
 
     def __init__(self, name: str | None = None, *, seed: int, num_blocks: int = DEFAULT_NUM_BLOCKS,
@@ -122,6 +143,7 @@ class RemoteEngine:
         self._replies: dict[int, _Reply] = {}
         self._ids = itertools.count(1)
         self._expected_exit = False  # we killed or stopped it, or its death was reported
+        self._stopped: _Reply | None = None  # the current child's "stopped" event, once read
 
     # -- what a test needs to know
 
@@ -172,8 +194,10 @@ class RemoteEngine:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         died = await self.aclose()
-        if died is not None and exc is None:
-            raise died
+        if died is not None:
+            if exc is None:
+                raise died
+            exc.add_note(f"and on stopping the remote engine: {died}")
 
     def __await__(self) -> Generator[Any, None, Self]:
         """``remote = await RemoteEngine(...)`` starts it (stop it with :meth:`aclose`)."""
@@ -191,7 +215,8 @@ class RemoteEngine:
 
     async def aclose(self) -> RemoteEngineError | None:
         """Stop and reap the child (idempotent). Returns, rather than raises, the report of a
-        child that had died on its own and was not reported yet."""
+        child that had died on its own and was not reported yet, or of a graceful stop that
+        went wrong (:class:`RemoteEngineStopError`); None when all was well."""
         died: RemoteEngineError | None = None
         with anyio.CancelScope(shield=True):
             died = await self._stop()
@@ -340,6 +365,7 @@ class RemoteEngine:
         self._stderr = tempfile.TemporaryFile(prefix="aionixl-remote-")  # noqa: SIM115
         self._replies.clear()
         self._expected_exit = False
+        self._stopped = None
         proc = await anyio.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self._stderr, env={**os.environ, **self._env})
         self._proc, self._pid = proc, proc.pid
@@ -374,7 +400,23 @@ class RemoteEngine:
                 return None
             fields = _lines.decode_line(line)
             if fields is not None:  # anything else is not ours (the child's stdout is stderr)
-                return msgspec.convert(fields, _Reply)
+                message = msgspec.convert(fields, _Reply)
+                if message.event == "stopped":
+                    self._stopped = message  # whoever reads it: the graceful stop looks here
+                return message
+
+    async def _read_until_stopped(self) -> None:
+        """Read control lines until the child's "stopped" event or the end of its stdout
+        (replies read meanwhile are kept for whoever waits for them)."""
+        while self._stopped is None:
+            async with self._read_lock:
+                if self._stopped is not None:
+                    return
+                message = await self._next_message()
+                if message is None:
+                    return
+                if message.id is not None:
+                    self._replies[message.id] = message
 
     async def _call(self, op: str, extra_time: float = 0.0, **args: Any) -> _Reply:
         proc = self._proc
@@ -428,6 +470,8 @@ class RemoteEngine:
             died = RemoteEngineError(f"{self.name}: the remote engine's process died",
                                      returncode=proc.returncode, stderr_tail=self.stderr_tail())
         self._expected_exit = True
+        stopping = graceful and proc.returncode is None  # checked below
+        exited = False  # on its own, after its stdin closed
         try:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -437,7 +481,9 @@ class RemoteEngine:
                         assert proc.stdin is not None
                         await proc.stdin.aclose()  # EOF: the child closes its engine and exits
                     with anyio.move_on_after(_STOP_TIMEOUT):
+                        await self._read_until_stopped()  # its report on the close
                         await proc.wait()
+                    exited = proc.returncode is not None
                 for signum, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, KILL_TIMEOUT)):
                     if proc.returncode is not None:
                         break
@@ -452,7 +498,30 @@ class RemoteEngine:
             await self._release()
         if died is None and proc.returncode is None:
             died = RemoteEngineError(f"{self.name}: the child process could not be reaped")
+        if died is None and stopping:
+            died = self._stop_problem(exited)
         return died
+
+    def _stop_problem(self, exited: bool) -> RemoteEngineStopError | None:
+        """What went wrong with a graceful stop that has just ended, if anything."""
+        proc = self._proc
+        assert proc is not None
+        report = self._stopped
+        resources = ({str(k): int(v) for k, v in report.resources.items()}
+                     if report is not None and report.resources is not None else None)
+        if not exited:
+            why = f"the child did not exit within {_STOP_TIMEOUT:g} s and was terminated"
+        elif proc.returncode != 0:
+            why = "the child exited with a non-zero status"
+        elif resources is None:
+            why = "the child exited without reporting its engine's close"
+        elif any(resources.values()):
+            left = ", ".join(f"{k}={v}" for k, v in sorted(resources.items()) if v)
+            why = f"the child's engine still held NIXL resources after closing: {left}"
+        else:
+            return None
+        return RemoteEngineStopError(f"{self.name}: the graceful stop failed: {why}", resources=resources,
+                                     returncode=proc.returncode, stderr_tail=self.stderr_tail())
 
     async def _release(self) -> None:
         """Close the pipes of a child that is gone."""
