@@ -207,7 +207,9 @@ async def test_models_health_and_metrics(servers: Servers) -> None:
         async with client(server) as api:
             models = await api.models.list()
         assert [m.id for m in models.data] == ["aionixl-tiny-bytes"]
-    have_prometheus = importlib.util.find_spec("aionixl.prometheus") is not None
+    # /metrics needs prometheus_client (the aionixl[prometheus] extra): aionixl.prometheus, the
+    # module itself, ships with aionixl and is always found. The servers run this Python.
+    have_prometheus = importlib.util.find_spec("prometheus_client") is not None
     async with httpx.AsyncClient(timeout=10) as http:
         for server in servers:
             assert (await http.get(f"{server.url}/health")).json()["ok"] is True
@@ -219,6 +221,26 @@ async def test_models_health_and_metrics(servers: Servers) -> None:
                 assert reply.status_code == 404
                 assert reply.json()["error"]["code"] == "metrics_unavailable"
                 assert "aionixl[prometheus]" in reply.json()["error"]["message"]
+
+
+async def test_metrics_without_prometheus_client_answer_404_naming_the_extra(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servers' /metrics where prometheus_client is not installed (the other branch of the
+    test above): a fresh import of aionixl.prometheus fails, as it would there."""
+    from starlette.requests import Request
+
+    from examples.common import Metrics
+
+    monkeypatch.delitem(sys.modules, "aionixl.prometheus", raising=False)
+    for name in [n for n in sys.modules if n == "prometheus_client" or n.startswith("prometheus_client.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it fails, as where it is missing
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    reply = await Metrics().endpoint(Request({"type": "http", "method": "GET", "path": "/metrics",
+                                              "headers": []}))
+    assert reply.status_code == 404
+    error = json.loads(bytes(reply.body))["error"]
+    assert error["code"] == "metrics_unavailable"
+    assert "aionixl[prometheus]" in error["message"] and "prometheus_client" in error["message"]
 
 
 async def test_prefill_hands_back_kv_transfer_params_and_frees_unread_blocks(servers: Servers,
