@@ -284,3 +284,73 @@ class Reference:
 
 def reference(ctx: Any) -> Reference:
     return Reference(ctx)
+
+
+# ---- the P/D request workload (aionixl bench --workload pd) -----------------------------
+
+
+class BarePd:
+    """Bare NIXL on the P/D workload: one loop that posts each request when its arrival time
+    has come (and its blocks are free) and polls every outstanding one; while nothing is
+    outstanding it sleeps until shortly before the next arrival, then spins (the pacer every
+    contender shares). The best a hand-written client does."""
+
+    name = "bare"
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.bare = BareNixl(ctx, ctx.unique("bare-pd"), ctx.local)
+        self.bare.one(ctx.local_indices([0]), ctx.remote_indices([0]))  # wire-up
+
+    def step(self, rec: Any, reqs: list[Any], concurrency: int | None = None) -> None:
+        """One step: open loop at ``rec.rate``, or closed loop (``concurrency`` outstanding)."""
+        ctx, pool, memory = self.ctx, rec.pool, rec.memory
+        agent, local, remote = self.bare.agent, self.bare.local, self.bare.remote
+        spin_s = rec.spec.spin_s
+        outstanding: list[tuple[Any, Any, Any, float]] = []
+        n, i = len(reqs), 0
+        limit = concurrency or n
+        t0 = rec.start()
+        while i < n or outstanding:
+            now = time.perf_counter()
+            while i < n and len(outstanding) < limit:
+                req = reqs[i]
+                due = rec.due(req) if concurrency is None else now
+                if due > now:
+                    break
+                ids = pool.take(req.nblocks)
+                if ids is None:
+                    rec.result.waited_for_blocks += 1
+                    break
+                memory.clear_sample(ids)
+                handle = agent.make_prepped_xfer("READ", local, ctx.local_indices(ids), remote,
+                                                 ctx.remote_indices(req.remote), req.notify)
+                state = agent.transfer(handle)
+                if state == "ERR":
+                    raise RuntimeError(f"bare NIXL: posting request {req.index} failed")
+                outstanding.append((handle, req, ids, due))
+                i += 1
+            if outstanding:
+                still = []
+                for item in outstanding:
+                    state = agent.check_xfer_state(item[0])
+                    if state == "DONE":
+                        rec.done(item[1], item[2], item[3])
+                        agent.release_xfer_handle(item[0])
+                    elif state == "PROC":
+                        still.append(item)
+                    else:
+                        raise RuntimeError(f"bare NIXL: request {item[1].index} failed: {state}")
+                outstanding = still
+                continue
+            if i < n:
+                wait = rec.due(reqs[i]) - time.perf_counter() - spin_s
+                if wait > 0:
+                    time.sleep(wait)
+        del t0
+
+    def verify(self) -> int:
+        return _verify(self.ctx, self.bare)
+
+    def close(self) -> None:
+        self.bare.close()

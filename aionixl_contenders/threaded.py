@@ -237,3 +237,60 @@ def _close_once(ctx: Any, step_s: float, req: _Requests, npeers: int | None = No
         return seconds, inflight
     finally:
         conn.shutdown()
+
+
+# ---- the P/D request workload (aionixl bench --workload pd) -----------------------------
+
+
+class ThreadedPd:
+    """The threaded model on the P/D workload: its engine loop steps every ``step_s`` (the
+    forward pass), and at each step boundary the scheduler hands it every request that has
+    arrived since (blocks permitting); each is posted as one read with its notification and
+    seen done at the first step boundary after NIXL finished it."""
+
+    name = "threaded"
+
+    def __init__(self, ctx: Any, step_s: float) -> None:
+        self.ctx = ctx
+        self.step_s = step_s
+        self.req = _Requests()
+        self.conn = ThreadedConnector(ctx.unique("threaded-pd"), ctx.local.layout())
+        self.unit = ctx.units[0]
+        self.address = self.unit.meta_address
+        _connect(ctx, self.conn, [self.unit], step_s)
+        r = self.req.new()
+        self.conn.read_blocks(r, self.address, [0], [0])  # wire-up
+        _wait(self.conn, step_s, requests={r})
+
+    def step(self, rec: Any, reqs: list[Any], concurrency: int | None = None) -> None:
+        conn, pool, memory, step_s = self.conn, rec.pool, rec.memory, self.step_s
+        pending: dict[int, tuple[Any, Any, float]] = {}
+        n, i = len(reqs), 0
+        limit = concurrency or n
+        rec.start()
+        while i < n or pending:
+            now = time.perf_counter()
+            while i < n and len(pending) < limit:  # what the scheduler hands over this step
+                req = reqs[i]
+                due = rec.due(req) if concurrency is None else now
+                if due > now:
+                    break
+                ids = pool.take(req.nblocks)
+                if ids is None:
+                    rec.result.waited_for_blocks += 1
+                    break
+                memory.clear_sample(ids)
+                key = self.req.new()
+                conn.read_blocks(key, self.address, ids, req.remote, req.notify)
+                pending[key] = (req, ids, due)
+                i += 1
+            done, _ = engine_step(conn, step_s)
+            for key in done:
+                req, ids, due = pending.pop(key)
+                rec.done(req, ids, due)
+
+    def verify(self) -> int:
+        return _verify(self.ctx, self.conn, self.address, self.step_s, self.req)
+
+    def close(self) -> None:
+        self.conn.shutdown()

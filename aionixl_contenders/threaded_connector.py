@@ -204,12 +204,15 @@ class ThreadedConnector:
 
     # ---- the engine loop's calls --------------------------------------------------------
 
-    def read_blocks(self, request: Any, address: str, local_ids: Any, remote_ids: Any) -> None:
-        """Post a read of ``remote_ids`` into ``local_ids`` (every region) for ``request``."""
+    def read_blocks(self, request: Any, address: str, local_ids: Any, remote_ids: Any,
+                    notify: bytes = b"") -> None:
+        """Post a read of ``remote_ids`` into ``local_ids`` (every region) for ``request``
+        (with ``notify``: that notification to the peer when it is done)."""
         remote = self.remotes[address]
         local_idx = _indices(local_ids, self.num_regions, self.num_blocks)
         remote_idx = _indices(remote_ids, remote.num_regions, remote.num_blocks)
-        handle = self.agent.make_prepped_xfer("READ", self._local, local_idx, remote.dlist, remote_idx)
+        handle = self.agent.make_prepped_xfer("READ", self._local, local_idx, remote.dlist, remote_idx,
+                                              notify)
         state = self.agent.transfer(handle)
         if state == "ERR":
             self.agent.release_xfer_handle(handle)

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import os
 import select
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -190,3 +191,108 @@ def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -
                    "completion": "get_transfer_results (what get_finished wraps) called in a loop "
                                  "right after start_load_kv: no forward pass between"}
     return out
+
+
+# ---- the P/D request workload (aionixl bench --workload pd --with-vllm) -----------------
+
+
+class VllmPd:
+    """vLLM's real NixlConnector on the P/D workload. The decode worker plays vLLM's engine
+    loop (``vllm_decode``'s ``pd`` command): at each step boundary the scheduler hands the
+    connector every request that has arrived since (one ``NixlConnectorMetadata`` with a
+    ``reqs_to_recv`` entry each; ``start_load_kv``), the forward pass runs for ``step_s``
+    (a sleep), then ``get_finished`` (``get_transfer_results``) reports the reads done. The
+    prefill worker holds every request's blocks beforehand (``hold_many``) and frees them on
+    vLLM's notification. Geometry as every other contender's: one vLLM layer per region
+    (LBHNC: a page of ``block_bytes``), the same block ids, the same bytes per request.
+    Latency, bytes, CPU (the decode process's) and the byte checks are measured in the
+    decode worker, by the same rules (:mod:`aionixl._bench._pdwork`)."""
+
+    name = "vllm"
+
+    def __init__(self, ctx: Any, step_s: float) -> None:
+        spec = ctx.spec
+        self.ctx, self.step_s = ctx, step_s
+        block_tokens, head_dim = spec.vllm_block_tokens, spec.vllm_head_dim
+        kv_heads = spec.block_bytes // (block_tokens * head_dim * 4)
+        if kv_heads < 1 or spec.block_bytes % (block_tokens * head_dim * 4):
+            raise RuntimeError(f"no vLLM page of {spec.block_bytes} bytes with {block_tokens}-token blocks")
+        geometry = ["--unpin", "--layers", str(spec.regions), "--blocks", str(spec.blocks),
+                    "--block-size", str(block_tokens), "--kv-heads", str(kv_heads),
+                    "--head-dim", str(head_dim)]
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"aionixl-bench-vllm-pd-{os.getpid()}.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - open for the contender's life
+        ctx.rest()
+        ctx.progress(f"P/D: vLLM connector: starting a vLLM prefill and decode worker (log: {self.log_path})")
+        self.prefill = Child("vllm_worker", ["--quiet", "--lease-s", "600", *geometry], self._log)
+        self.decode = Child("vllm_decode", geometry, self._log)
+        self._names = itertools.count()
+        self.checked = 0
+        try:
+            p_ready = self.prefill.line(300)["ready"]
+            d_ready = self.decode.line(300)["ready"]
+            if p_ready["page_bytes"] != spec.block_bytes or d_ready["page_bytes"] != spec.block_bytes:
+                raise RuntimeError(f"vLLM pages of {p_ready['page_bytes']} bytes, not {spec.block_bytes}")
+            host, port = p_ready["address"].removeprefix("tcp://").rsplit(":", 1)
+            self.decode.ask({"op": "connect", "engine_id": p_ready["engine_id"], "host": host,
+                             "port": int(port), "reqs": self._held(1)})
+            self._pause()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            ctx.spin()
+
+    def _pause(self) -> None:
+        """Stop both vLLM workers (SIGSTOP) between their own steps: idle, their NIXL
+        progress and UCX threads use ~25 % of a core each, which would load the machine under
+        the other contenders' steps. They hold no connection to anything else."""
+        for child in (self.decode, self.prefill):
+            os.kill(child.proc.pid, signal.SIGSTOP)
+
+    def _resume(self) -> None:
+        for child in (self.prefill, self.decode):
+            os.kill(child.proc.pid, signal.SIGCONT)
+
+    def _held(self, n: int) -> list[str]:
+        reqs = [f"pd-{next(self._names)}" for _ in range(n)]
+        self.prefill.ask({"op": "hold_many", "reqs": reqs, "lease_s": 600})
+        return reqs
+
+    def step(self, rec: Any, reqs: list[Any], concurrency: int | None = None) -> None:
+        self._resume()
+        names = self._held(len(reqs))
+        self.ctx.rest()  # the aionixl prefill side is not involved: leave the CPUs to vLLM's
+        try:
+            reply = self.decode.ask({
+                "op": "pd", "rate": rec.rate, "concurrency": concurrency, "step_s": self.step_s,
+                "spin_s": rec.spec.spin_s, "seed": rec.spec.seed, "bytes_per_block_id": rec.block_bytes,
+                "reqs": [{"req": name, "at": r.at, "remote": [int(x) for x in r.remote]}
+                         for name, r in zip(names, reqs, strict=True)]}, timeout=600)
+        finally:
+            self.ctx.spin()
+            self._pause()
+        rec.adopt(reply)
+
+    def verify(self) -> int:
+        loc, rem = self.ctx.verify_set
+        self._resume()
+        try:
+            reply = self.decode.ask({"op": "verify", "req": self._held(1)[0], "local": [int(x) for x in loc],
+                                     "remote": [int(x) for x in rem]})
+        finally:
+            self._pause()
+        if not reply["ok"]:
+            raise RuntimeError("vLLM connector (P/D): the bytes read do not match the prefill pattern")
+        return int(reply["blocks"])
+
+    def close(self) -> None:
+        codes = {}
+        for child in ("decode", "prefill"):
+            if hasattr(self, child):
+                with contextlib.suppress(OSError):
+                    os.kill(getattr(self, child).proc.pid, signal.SIGCONT)
+                codes[child] = getattr(self, child).stop()
+        self._log.close()
+        if any(codes.values()):
+            raise RuntimeError(f"a vLLM worker exited with {codes}; see {self.log_path}")

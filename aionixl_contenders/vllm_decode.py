@@ -141,6 +141,74 @@ class Decode:
         times = [self.read(req, *pairs[i % len(pairs)]) for i, req in enumerate(cmd["reqs"])]
         return {"seconds": times}
 
+    def cmd_pd(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """One step of the P/D workload (:class:`aionixl_contenders.vllm_contender.VllmPd`):
+        vLLM's engine loop, each step handing the connector every request that has arrived
+        (``start_load_kv``), a forward pass of ``step_s``, then ``get_finished``. Latency
+        from each request's scheduled arrival to the step that reports it done."""
+        from aionixl._bench._pdwork import BlockPool, check_words, process_cpu, region_words
+
+        words = self.side.words
+        rw = region_words(words.shape[0], words.shape[2])
+        reqs = cmd["reqs"]
+        rate, limit = cmd["rate"], cmd["concurrency"] or len(reqs)
+        step_s, spin_s, per_block = float(cmd["step_s"]), float(cmd["spin_s"]), int(cmd["bytes_per_block_id"])
+        pool = BlockPool(self.side.blocks, int(cmd["seed"]))
+        worker = self.worker
+        pending: dict[str, tuple[dict[str, Any], Any, Any, float]] = {}
+        lat: list[float] = []
+        nbytes = verified = waited = 0
+        n, i = len(reqs), 0
+        last = 0.0
+        cpu0 = process_cpu()
+        t0 = time.perf_counter() + 0.002
+        while i < n or pending:
+            now = time.perf_counter()
+            meta = self._meta_cls()
+            while i < n and len(pending) < limit:  # what the scheduler hands over this step
+                r = reqs[i]
+                due = t0 + r["at"] / rate if rate else now
+                if due > now:
+                    break
+                ids = pool.take(len(r["remote"]))
+                if ids is None:
+                    waited += 1
+                    break
+                remote = np.asarray(r["remote"], dtype=np.int32)
+                words[:, ids[[0, -1]], :] = 0
+                params = {"remote_block_ids": (r["remote"],), "remote_engine_id": self.remote["engine_id"],
+                          "remote_request_id": r["req"], "remote_host": self.remote["host"],
+                          "remote_port": self.remote["port"], "tp_size": 1}
+                meta.add_new_req_to_recv(request_id=f"d-{r['req']}", local_block_ids=([int(x) for x in ids],),
+                                         kv_transfer_params=params, awaiting_kvs=True)
+                pending[f"d-{r['req']}"] = (r, ids, remote, due)
+                i += 1
+            self._step(worker, meta)
+            if step_s > 0:
+                time.sleep(step_s)  # the forward pass
+            elif not pending and i < n:
+                wait = t0 + reqs[i]["at"] / rate - time.perf_counter() - spin_s if rate else 0.0
+                if wait > 0:
+                    time.sleep(wait)
+            results = worker.get_transfer_results(set())
+            if results.failed_recving & set(pending):
+                raise RuntimeError(f"vLLM reported failed reads: {sorted(results.failed_recving)[:4]}")
+            t = time.perf_counter()
+            for key in results.finished_recving:
+                if key not in pending:
+                    continue
+                r, ids, remote, due = pending.pop(key)
+                lat.append(t - due)
+                last = t
+                nbytes += len(ids) * per_block
+                if not check_words(words, ids[[0, -1]], remote[[0, -1]], rw):
+                    raise RuntimeError(f"request {r['req']}: the bytes read do not match the prefill pattern")
+                verified += 1
+                pool.give(ids)
+        return {"latencies": lat, "nbytes": nbytes, "cpu_s": process_cpu() - cpu0,
+                "wall_s": max(last - t0, 1e-9), "verified": verified, "requests": len(lat),
+                "waited_for_blocks": waited}
+
     def cmd_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
         local = np.asarray(cmd["local"], dtype=np.int64)
         remote = np.asarray(cmd["remote"], dtype=np.int64)
@@ -232,7 +300,7 @@ def main() -> None:
                     "threads_open": thread_count(), "vllm_affinity": side.affinity,
                     "affinity": sorted(os.sched_getaffinity(0))}})
     handlers = {"connect": decode.cmd_connect, "reads": decode.cmd_reads, "verify": decode.cmd_verify,
-                "idle": decode.cmd_idle, "close": decode.cmd_close}
+                "idle": decode.cmd_idle, "close": decode.cmd_close, "pd": decode.cmd_pd}
     try:
         for line in sys.stdin:
             cmd = decode_line(line)

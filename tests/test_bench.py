@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from aionixl._bench import UnverifiedError, mark_verified
@@ -66,7 +67,8 @@ def quick_run() -> Iterator[tuple[subprocess.CompletedProcess[str], Path, Path]]
     """One --quick run for the whole module (it takes ~15 s); its files are removed after."""
     with tempfile.TemporaryDirectory(prefix="aionixl-bench-test-") as tmp:
         json_path, png_path = Path(tmp) / "bench.json", Path(tmp) / "bench.png"
-        proc = _bench("--quick", "--no-progress", "--json", str(json_path), "--plot", str(png_path))
+        proc = _bench("--quick", "--workload", "micro", "--no-progress", "--json", str(json_path),
+                      "--plot", str(png_path))
         yield proc, json_path, png_path
 
 
@@ -137,6 +139,84 @@ def test_quick_run_writes_a_png(quick_run: Any) -> None:
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+PD_CONTENDERS = {"bare", "aionixl-asyncio", "aionixl-trio", "aionixl-uvloop", "threaded"}
+PD_ROW_KEYS = {"contender", "load", "p50_us", "p99_us", "p999_us", "gbps", "cpu_s_per_gb", "requests",
+               "verified"}
+
+
+@pytest.fixture(scope="module")
+def pd_run() -> Iterator[tuple[subprocess.CompletedProcess[str], Path, Path]]:
+    """One ``--workload pd --quick`` run (about a minute and a half here), with only --json:
+    the latency-versus-load plot goes beside it."""
+    with tempfile.TemporaryDirectory(prefix="aionixl-bench-pd-test-") as tmp:
+        json_path = Path(tmp) / "pd.json"
+        proc = _bench("--workload", "pd", "--quick", "--no-progress", "--json", str(json_path), timeout=400)
+        yield proc, json_path, json_path.with_suffix(".png")
+
+
+def test_pd_quick_run_writes_json_of_the_right_shape(pd_run: Any) -> None:
+    proc, json_path, _ = pd_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(json_path.read_text())
+    rows = report["pd"]
+    assert isinstance(rows, list) and rows
+    loads = sorted({r["load"] for r in rows})
+    assert [ld for ld in loads if ld <= 1.0] == [0.25, 0.5, 0.75, 0.9, 1.0] and max(loads) > 1.0
+    assert {r["contender"] for r in rows} == PD_CONTENDERS
+    assert len(rows) == len(loads) * len(PD_CONTENDERS)
+    for r in rows:
+        assert set(r) == PD_ROW_KEYS, r
+        for key in ("p50_us", "p99_us", "p999_us", "gbps", "cpu_s_per_gb"):
+            assert _finite(r[key]) and r[key] > 0, (r["contender"], r["load"], key)
+        assert r["p50_us"] <= r["p99_us"] <= r["p999_us"]
+        assert isinstance(r["requests"], int) and r["requests"] > 0
+        # Every request's bytes were checked, and counted by the harness.
+        assert r["verified"] == r["requests"], r
+    sat = report["pd_saturation_gbps"]
+    assert set(sat) == PD_CONTENDERS and all(_finite(v) and v > 0 for v in sat.values())
+    keys = [t["key"] for t in report["pd_targets"]]
+    assert keys == ["p99_0.25", "p99_0.5", "p99_0.75", "p99_0.9", "saturation", "cpu_per_gb"]
+    for t in report["pd_targets"]:
+        for name in ("aionixl-asyncio", "aionixl-trio", "aionixl-uvloop"):
+            assert _finite(t["results"][name]["value"]) and isinstance(t["results"][name]["met"], bool)
+    assert all(n > 0 for n in report["pd_verified_blocks"].values())
+    assert "P/D targets" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_pd_quick_run_writes_its_plot_beside_the_json(pd_run: Any) -> None:
+    proc, _, png_path = pd_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pd_requests_are_seeded_long_tailed_and_distinct() -> None:
+    from aionixl._bench._pdwork import BlockPool, PdMemory, default_pd, make_requests
+
+    pd = default_pd()
+    a, b = make_requests(pd, 500, salt=3), make_requests(pd, 500, salt=3)
+    assert [r.tokens for r in a] == [r.tokens for r in b] and [r.at for r in a] == [r.at for r in b]
+    tokens = np.array([r.tokens for r in a])
+    assert tokens.min() >= pd.min_tokens and tokens.max() <= pd.max_tokens
+    assert np.median(tokens) < tokens.mean()  # long-tailed: most prompts are short
+    for r in a:
+        assert len(set(r.remote.tolist())) == r.nblocks == -(-r.tokens // pd.block_tokens)
+    assert (np.diff([r.at for r in a]) > 0).all()
+    pool = BlockPool(64, 1)
+    ids = pool.take(40)
+    assert ids is not None and len(set(ids.tolist())) == 40 and pool.take(30) is None
+    pool.give(ids)
+    assert pool.free == 64
+    mem = PdMemory(2, 8, 64)
+    local, remote = np.array([1, 2, 3]), np.array([5, 6, 7])
+    assert not mem.check_sample(local, remote)
+    for r in range(2):
+        mem.words[r, local] = np.array([[((5 + i) << 24 | w | r << 48) ^ 0x5A17 for w in range(8)]
+                                        for i in range(3)], dtype=np.uint64)
+    assert mem.check_sample(local, remote)
+    mem.clear_sample(local)
+    assert not mem.check_sample(local, remote)
+
+
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -175,6 +255,7 @@ def test_default_contenders_leave_trio_out_only_when_it_is_missing(monkeypatch: 
     assert choose_contenders("asyncio, trio", False) == (["asyncio", "trio"], [])
     if importlib.util.find_spec("trio") is not None:
         assert choose_contenders(None, False) == (["bare", "threaded", "memcpy", "asyncio", "trio"], [])
+    assert choose_contenders("aionixl-uvloop,bare", False) == (["uvloop", "bare"], [])
     monkeypatch.setitem(sys.modules, "trio", None)  # import trio fails, as where it is not installed
     chosen, notes = choose_contenders(None, True)
     assert chosen == ["bare", "threaded", "memcpy", "asyncio", "vllm"]

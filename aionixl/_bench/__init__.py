@@ -87,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-tls", metavar="LIST",
                    help="UCX_TLS for both processes (default: UCX's own choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--workload", choices=["all", "micro", "pd"], default="all",
+                   help="micro: the per-call measures; pd: open-loop P/D requests, latency against "
+                   "load (benchmarks/README.md); all (default): both")
+    p.add_argument("--pd-requests", type=int, help="P/D: requests per load step and repeat")
+    p.add_argument("--pd-repeats", type=int, help="P/D: repeats of every load step")
 
 
 def make_spec(args: argparse.Namespace) -> Spec:
@@ -172,18 +177,25 @@ def _importable(name: str) -> bool:
     return True
 
 
-def choose_contenders(option: str | None, with_vllm: bool) -> tuple[list[str], list[str]]:
+def choose_contenders(option: str | None, with_vllm: bool,
+                      pd: bool = False) -> tuple[list[str], list[str]]:
     """The contenders to run (``--contenders``, else the default set) and report notes on
     what the default set left out. trio is not a dependency of aionixl: without it the
-    default set runs everything else (asking for trio by name is an error, later)."""
+    default set runs everything else (asking for trio by name is an error, later). With
+    ``pd`` (the P/D workload runs) the default set adds uvloop (aionixl on asyncio with
+    uvloop's loop) where uvloop is installed; names may be given as the P/D JSON's
+    (``aionixl-asyncio``)."""
     if option is not None:
-        return [c.strip() for c in option.split(",") if c.strip()], []
+        return [c.strip().removeprefix("aionixl-") for c in option.split(",") if c.strip()], []
     chosen = [c for c in ORDER if c != "vllm" or with_vllm]
-    if _importable("trio"):
-        return chosen, []
-    chosen.remove("trio")
-    return chosen, ["  the trio contender is left out: trio is not installed here "
-                    "(pip install trio, or aionixl[bench])"]
+    notes = []
+    if pd and _importable("uvloop"):
+        chosen.insert(chosen.index("asyncio") + 1, "uvloop")
+    if not _importable("trio"):
+        chosen.remove("trio")
+        notes.append("  the trio contender is left out: trio is not installed here "
+                     "(pip install trio, or aionixl[bench])")
+    return chosen, notes
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -193,8 +205,10 @@ def _run(args: argparse.Namespace) -> int:
     problems = spec.problems()
     if problems:
         raise BenchError("; ".join(problems))
-    chosen, left_out = choose_contenders(args.contenders, spec.with_vllm)
-    unknown = [c for c in chosen if c not in CONTENDERS]
+    workload = getattr(args, "workload", "micro")
+    run_micro, run_pd = workload in ("all", "micro"), workload in ("all", "pd")
+    chosen, left_out = choose_contenders(args.contenders, spec.with_vllm, run_pd)
+    unknown = [c for c in chosen if c not in CONTENDERS and c != "uvloop"]
     if unknown or not chosen:
         raise BenchError(f"unknown contender(s) {unknown}; choose from {','.join(ORDER)}")
     if "vllm" in chosen and not spec.with_vllm:
@@ -217,6 +231,14 @@ def _run(args: argparse.Namespace) -> int:
     if "trio" in chosen and not _importable("trio"):
         raise BenchError("the trio contender needs trio (pip install trio), or leave it out "
                          "with --contenders")
+    if "uvloop" in chosen and not _importable("uvloop"):
+        raise BenchError("the uvloop contender needs uvloop (pip install uvloop)")
+    if run_pd and spec.device != "cpu":
+        raise BenchError("--workload pd runs on DRAM only for now (use --workload micro with "
+                         "--device cuda)")
+    pd_spec = _pd_spec(args)
+    if run_pd and pd_spec.problems():
+        raise BenchError("; ".join(pd_spec.problems()))
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
 
@@ -224,13 +246,102 @@ def _run(args: argparse.Namespace) -> int:
     for line in left_out:
         progress(line.strip())
     machine = _machine(spec, args.ucx_tls)
+    raw: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    ctx: Context | None = None
+    micro = [c for c in chosen if c != "uvloop"] if run_micro else []
+    if micro:
+        ctx = _run_micro(spec, micro, progress, raw, errors)
+    pd_errors: dict[str, str] = {}
+    pd_result: dict[str, Any] | None = None
+    if run_pd:
+        from . import _pd
+
+        names = [_pd.PD_NAMES[c] for c in chosen if c in _pd.PD_NAMES]
+        pd_result = _pd.run(spec, pd_spec, [n for n in _pd.PD_ORDER if n in names], progress, pd_errors)
+        progress.done()
+
+    elapsed = time.perf_counter() - started
+    report = _report(spec, machine, micro, raw, errors, elapsed)
+    if not micro:
+        for key in ("measures", "targets", "info"):
+            report.pop(key)
+        report["notes"] = []
+        report["contenders"] = {}
+        report["headline"] = (
+            f"aionixl bench --workload pd{' --quick' if spec.quick else ''}: {pd_spec.layers} layers x K/V = "
+            f"{pd_spec.regions} DRAM regions of {pd_spec.blocks} blocks x {pd_spec.block_bytes // 1024} KiB "
+            f"({pd_spec.bytes_per_block_id // 1024} KiB per block id); {machine['cpus']} CPUs "
+            f"({machine['processor']}), UCX transports: {machine['ucx_tls']}; {elapsed:.1f} s")
+    if pd_result is not None:
+        report.update(pd_result)
+        report["notes"].append(f"  P/D workload: {len(pd_result['pd'])} rows; threaded model and vLLM "
+                               f"connector step every {spec.step_s * 1e3:g} ms")
+    if ctx is not None and ctx.target_restarts:
+        report["notes"].append("  the prefill process died and was started again: "
+                               + "; ".join(ctx.target_restarts))
+        report["target_restarts"] = ctx.target_restarts
+    report["started_at"] = started_at
+    report["notes"].extend(left_out)
+    if ctx is not None:
+        report["machine"]["prefill_aionixl_path"] = ctx.target.aionixl_path
+    print(report["headline"])
+    for line in report["notes"]:
+        print(line)
+    print()
+    if micro:
+        print(tables(report))
+    if pd_result is not None:
+        from . import _pd
+
+        if micro:
+            print()
+        print(_pd.table(report))
+    if errors or pd_errors:
+        print()
+        for name, err in errors.items():
+            print(f"FAILED: {CONTENDERS[name][0]}: {err}")
+        for name, err in pd_errors.items():
+            print(f"FAILED (P/D): {name}: {err}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    pd_plot = None
+    if pd_result is not None:
+        if args.plot:
+            path = Path(args.plot)
+            pd_plot = args.plot if not micro else str(path.with_name(path.stem + "-pd.png"))
+        elif args.json:
+            pd_plot = str(Path(args.json).with_suffix(".png"))
+    if args.plot and micro:
+        plot(report, args.plot)
+    if pd_plot is not None and pd_result is not None:
+        from . import _pd
+
+        try:
+            _pd.plot(report, pd_plot)
+        except ImportError:
+            print("aionixl bench: no P/D plot (matplotlib is not installed)", file=sys.stderr)
+    return 1 if errors or pd_errors else 0
+
+
+def _pd_spec(args: argparse.Namespace) -> Any:
+    from ._pdwork import default_pd, quick_pd
+
+    pd = quick_pd() if args.quick else default_pd()
+    if getattr(args, "pd_requests", None):
+        pd = replace(pd, requests=args.pd_requests)
+    if getattr(args, "pd_repeats", None):
+        pd = replace(pd, repeats=args.pd_repeats)
+    return pd
+
+
+def _run_micro(spec: Spec, chosen: list[str], progress: Progress, raw: dict[str, dict[str, Any]],
+               errors: dict[str, str]) -> Context | None:
     progress(f"starting the prefill process ({spec.peers} engines)")
     def new_target() -> Target:
         return Target(spec.layers, spec.blocks, spec.block_bytes, spec.device, spec.peers)
 
     target = new_target()
-    raw: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
     ctx: Context | None = None
     try:
         local = KVMemory(spec.regions, spec.blocks, spec.block_bytes, spec.device)
@@ -269,31 +380,7 @@ def _run(args: argparse.Namespace) -> int:
         progress("stopping the prefill process")
         (ctx.target if ctx is not None else target).stop()
         progress.done()
-
-    elapsed = time.perf_counter() - started
-    report = _report(spec, machine, chosen, raw, errors, elapsed)
-    if ctx is not None and ctx.target_restarts:
-        report["notes"].append("  the prefill process died and was started again: "
-                               + "; ".join(ctx.target_restarts))
-        report["target_restarts"] = ctx.target_restarts
-    report["started_at"] = started_at
-    report["notes"].extend(left_out)
-    if ctx is not None:
-        report["machine"]["prefill_aionixl_path"] = ctx.target.aionixl_path
-    print(report["headline"])
-    for line in report["notes"]:
-        print(line)
-    print()
-    print(tables(report))
-    if errors:
-        print()
-        for name, err in errors.items():
-            print(f"FAILED: {CONTENDERS[name][0]}: {err}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    if args.plot:
-        plot(report, args.plot)
-    return 1 if errors else 0
+    return ctx
 
 
 def _run_one(name: str, ctx: Context, source: KVMemory | None) -> dict[str, Any]:
