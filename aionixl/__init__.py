@@ -17,6 +17,7 @@ from ._errors import (
     TransferError,
     TransferTimeoutError,
 )
+from ._leases import Lease, LeaseCancelledError, LeaseExpiredError, read_done
 from ._notifications import Notification
 from ._regions import Region
 
@@ -27,6 +28,9 @@ __all__ = [
     "EngineConfig",
     "HandshakeError",
     "IncompatiblePeerError",
+    "Lease",
+    "LeaseCancelledError",
+    "LeaseExpiredError",
     "ListenError",
     "Notification",
     "Peer",
@@ -35,6 +39,7 @@ __all__ = [
     "TransferError",
     "TransferResult",
     "TransferTimeoutError",
+    "read_done",
 ]
 
 __version__ = "0.1.0"

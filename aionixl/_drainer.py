@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import anyio
 
 from ._config import EngineConfig
 from ._errors import AionixlError
 from ._inflight import InFlightTable
+from ._leases import LeaseTable
 from ._lifecycle import LocalSide
 from ._notifications import Mailbox, Notification
 from ._peers import PeerTable
@@ -27,11 +29,14 @@ from ._wire import MULTI, RESERVED, TAGGED, SeenTags, unpack_notifications, unpa
 class NotificationDrainer:
     """One task per engine; :meth:`wake` ends its current back-off sleep."""
 
-    def __init__(self, local: LocalSide, config: EngineConfig, mailbox: Mailbox, peers: PeerTable,
-                 table: InFlightTable, push: Pusher, noisy: RateLimitedLog) -> None:
+    def __init__(self, local: LocalSide, config: EngineConfig, deliver: Callable[[Notification], None],
+                 mailbox: Mailbox, leases: LeaseTable, peers: PeerTable, table: InFlightTable,
+                 push: Pusher, noisy: RateLimitedLog) -> None:
         self._local = local
         self._config = config
+        self._deliver = deliver  # to a lease (read-dones, heartbeats) or the mailbox
         self._mailbox = mailbox
+        self._leases = leases
         self._peers = peers
         self._table = table
         self._push = push
@@ -70,11 +75,13 @@ class NotificationDrainer:
 
     async def run(self) -> None:
         """Cadence: every loop turn while transfers are in flight or notifications arrive,
-        then backing off (doubling) to ``notification_poll_interval`` while someone waits,
+        then backing off (doubling) to ``notification_poll_interval`` while someone waits
+        (a ``wait_notification`` caller or a live lease),
         or to ``idle_poll_interval`` when nobody does; with no peers and no waiters it
         sleeps until woken. Any activity (a transfer, a handshake, a new waiter) resets it.
         """
-        mailbox, peers, table, push = self._mailbox, self._peers, self._table, self._push
+        deliver, mailbox, leases = self._deliver, self._mailbox, self._leases
+        peers, table, push = self._peers, self._table, self._push
         busy_cap = self._config.notification_poll_interval
         idle_cap = self._config.idle_poll_interval
         probe_every = self._config.peer_probe_interval
@@ -83,17 +90,18 @@ class NotificationDrainer:
         while True:
             notes = self.poll_once()
             for note in notes:
-                mailbox.deliver(note)
+                deliver(note)
             delivered = bool(notes)
+            waiting = mailbox.waiting or leases.waiting
             if peers and anyio.current_time() >= next_probe:
                 peers.probe()
                 next_probe = anyio.current_time() + probe_every
             if delivered or table.records or push.active:
                 interval = 0.0
-            elif not peers and not mailbox.waiting:
+            elif not peers and not waiting:
                 interval = math.inf  # nobody to hear from: sleep until something happens
             else:
-                cap = busy_cap if mailbox.waiting else idle_cap
+                cap = busy_cap if waiting else idle_cap
                 interval = min(cap, max(interval * 2.0, 20e-6))
             if interval == 0.0:
                 await anyio.sleep(0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from contextlib import suppress
 from types import TracebackType
 from typing import Any
@@ -34,6 +34,7 @@ from ._errors import AionixlError, EngineClosedError, PeerDisconnectedError
 from ._handshake import Handshakes
 from ._hostfacts import host_facts
 from ._inflight import InFlightTable
+from ._leases import Lease, LeaseTable
 from ._lifecycle import CLOSED, CLOSING, DRAINING, NEW, OPEN, Lifecycle, LocalSide
 from ._metrics import EngineMetrics, TransferMetrics
 from ._nixl import Agent
@@ -48,6 +49,7 @@ from ._regions import IndexArray, Region, block_descriptors, describe_regions, r
 from ._results import Op, TransferResult
 from ._transfers import Transfers
 from ._vllm_connect import VllmConnector
+from ._vllm_wire import heartbeat_message
 from ._wire import user_message
 
 log = logging.getLogger("aionixl")
@@ -104,7 +106,14 @@ class Engine:
         turns = LoopTurns()
         direct = self._direct = DirectPath(local, life, config, peers, table, metrics, turns)
         self._coalescer = Coalescer(local, life, config, peers, table, direct, metrics, turns)
-        self._push = Pusher(local, config, peers, table, mailbox, noisy, self._wake_drainer)
+        leases = self._leases = LeaseTable()
+
+        def deliver(note: Notification) -> None:
+            """An incoming notification: a lease takes its read-dones and heartbeats."""
+            if not leases.consume(note):
+                mailbox.deliver(note)
+
+        self._push = Pusher(local, config, peers, table, deliver, noisy, self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers)
         self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
@@ -112,7 +121,8 @@ class Engine:
         # The hot path: a call goes straight to the component's coroutine function (the
         # method below documents it and does the same; this skips one Python call).
         self.transfer_blocks = self._transfers.transfer_blocks  # type: ignore[method-assign]
-        self._drainer = NotificationDrainer(local, config, mailbox, peers, table, self._push, noisy)
+        self._drainer = NotificationDrainer(local, config, deliver, mailbox, leases, peers, table,
+                                            self._push, noisy)
 
     # ---- properties ---------------------------------------------------------------------
 
@@ -195,6 +205,9 @@ class Engine:
             notifications_kept=mailbox.kept,
             merged_requests=self._coalescer.merged_requests,
             merged_calls=self._coalescer.merged_calls,
+            leases_active=self._leases.active(),
+            leases_released=self._leases.released,
+            leases_expired=self._leases.expired,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -338,6 +351,7 @@ class Engine:
             for waiter in self._mailbox.all_waiters():
                 self._mailbox.remove_waiter(waiter)
                 waiter.event.set()
+            self._leases.close()
             handles = self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
             self._push.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
             if self._local.agent is not None:
@@ -485,6 +499,36 @@ class Engine:
             raise self._peers.evict(p, exc) from exc
         self._wake_drainer()
         await anyio.lowlevel.checkpoint()
+
+    # ---- leases -------------------------------------------------------------------------
+
+    def lease(self, request_id: str, block_ids: Iterable[int], *, readers: int = 1,
+              duration: float = 30.0) -> Lease:
+        """Hold ``block_ids`` for ``request_id`` until ``readers`` readers are done.
+
+        A reader is done when its :func:`aionixl.read_done` notification arrives (vLLM's
+        ``"<request_id>:<readers>"``; a vLLM decode worker sends the same); heartbeats
+        (:meth:`heartbeat`, vLLM's ``"HB:..."``) move ``expires_at`` to at least now +
+        ``duration``. ``await lease.wait()``; see :class:`aionixl.Lease`. ``ValueError`` for
+        an empty or already leased request id, ids outside the cache, ``readers < 1`` or
+        ``duration <= 0``. The engine's clock is ``time.monotonic()``.
+        """
+        self._check_open()
+        lease = self._leases.add(request_id, block_ids, self._local.num_blocks, readers, duration)
+        self._wake_drainer()  # it polls at its busy cadence while leases are live
+        return lease
+
+    @property
+    def leases(self) -> Mapping[str, Lease]:
+        """The live leases by request id (a read-only view)."""
+        self._leases.sweep()
+        return self._leases.view
+
+    async def heartbeat(self, peer: Peer, request_ids: Iterable[str]) -> None:
+        """Extend ``peer``'s leases on ``request_ids`` (vLLM's ``"HB:id1,id2"``; an aionixl
+        prefill and a vLLM prefill both understand it). Ids it does not hold are counted
+        there and ignored."""
+        await self.send_notification(peer, heartbeat_message(request_ids))
 
     async def wait_notification(self, message: bytes, peer: Peer | str | None = None,
                                 timeout: float | None = None) -> Notification:

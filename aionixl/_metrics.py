@@ -339,6 +339,11 @@ class EngineMetrics:
     #: Coalescing: caller requests merged into shared NIXL calls, and those calls.
     merged_requests: int
     merged_calls: int
+    #: Leases (``Engine.lease``): live and not past their time; ended with every reader
+    #: done; expired (no heartbeat within their duration).
+    leases_active: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and numbers (JSON-ready)."""

@@ -58,7 +58,7 @@ from ._errors import (
 from ._inflight import InFlight, InFlightTable
 from ._lifecycle import LocalSide
 from ._nixl import DONE, NO_HANDLE, PROC, Indices
-from ._notifications import Mailbox, Notification
+from ._notifications import Notification
 from ._peer import Peer
 from ._peers import PeerTable
 from ._ratelimit import RateLimitedLog
@@ -130,12 +130,13 @@ class Pusher:
     """Both sides of push reads for one engine; see the module docstring."""
 
     def __init__(self, local: LocalSide, config: EngineConfig, peers: PeerTable, table: InFlightTable,
-                 mailbox: Mailbox, noisy: RateLimitedLog, wake_drainer: Callable[[], None]) -> None:
+                 deliver: Callable[[Notification], None], noisy: RateLimitedLog,
+                 wake_drainer: Callable[[], None]) -> None:
         self._local = local
         self._config = config
         self._peers = peers
         self._table = table
-        self._mailbox = mailbox
+        self._deliver = deliver  # an incoming notification, to a lease or the mailbox
         self._noisy = noisy
         self._wake_drainer = wake_drainer
         self._ids = itertools.count(1)
@@ -416,7 +417,7 @@ class Pusher:
             if outcome == "done":
                 self.served += 1
                 if job.notify:
-                    self._mailbox.deliver(Notification(peer.name, job.notify))
+                    self._deliver(Notification(peer.name, job.notify))
                     self._wake_drainer()
             elif outcome == "cancelled":
                 self._send(peer, PGONE + rid_bytes(rid))

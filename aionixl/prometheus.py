@@ -131,6 +131,11 @@ def families(snapshots: Iterable[EngineMetrics]) -> Iterator[Metric]:
         labels=["engine"])
     merged_calls = CounterMetricFamily(
         "aionixl_coalesced_calls", "NIXL calls that carried merged requests", labels=["engine"])
+    leases = GaugeMetricFamily(
+        "aionixl_leases_active", "Leases live and not past their time", labels=["engine"])
+    lease_ends = CounterMetricFamily(
+        "aionixl_leases_ended", "Leases ended: every reader done (released) or no heartbeat in "
+        "time (expired)", labels=["engine", "how"])
     for m in snapshots:
         e = m.engine
         for op in OPS:
@@ -151,8 +156,11 @@ def families(snapshots: Iterable[EngineMetrics]) -> Iterator[Metric]:
         kept.add_metric([e], m.notifications_kept)
         merged.add_metric([e], m.merged_requests)
         merged_calls.add_metric([e], m.merged_calls)
+        leases.add_metric([e], m.leases_active)
+        lease_ends.add_metric([e, "released"], m.leases_released)
+        lease_ends.add_metric([e, "expired"], m.leases_expired)
     yield from (transfers, nbytes, seconds, post, in_flight, peers, evicted, evictions, handshakes,
-                notes, kept, merged, merged_calls)
+                notes, kept, merged, merged_calls, leases, lease_ends)
 
 
 def _buckets(h: Histogram) -> tuple[list[tuple[str, float]], float]:

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
                     "_regions", "_notifications", "_results"}),
     ("wire", {"_protocol", "_wire", "_nixl", "_metrics"}),
     ("wire above the handshake's", {"_vllm_wire", "_hostfacts"}),
-    ("shared state: lifecycle and local side", {"_lifecycle", "_peer"}),
+    ("shared state: lifecycle and local side, leases", {"_lifecycle", "_peer", "_leases"}),
     ("shared state: the in-flight table", {"_inflight"}),
     ("components: peers", {"_peers"}),
     ("components: the direct path and its fence", {"_post"}),

@@ -45,6 +45,8 @@ FAMILIES = {
     "aionixl_notifications_kept": "gauge",
     "aionixl_coalesced_requests": "counter",
     "aionixl_coalesced_calls": "counter",
+    "aionixl_leases_active": "gauge",
+    "aionixl_leases_ended": "counter",
 }
 
 #: The sample names the issue fixes, each with its labels.
