@@ -14,7 +14,7 @@ Then, per request:
 
 1. allocate local blocks for prompt + generated tokens (503 ``decode_out_of_blocks``);
 2. ``engine.connect(address)``: a handshake the first time, the same peer afterwards;
-3. ``engine.transfer_blocks(..., op="read", notify=b"kv-done:<id>")``: the notification
+3. ``engine.transfer_blocks(..., op="read", notify=b"<id>:1")``: the notification
    tells the prefill server it may free its blocks;
 4. greedy decoding from the local cache, one model step per token in a worker thread,
    answered as one JSON object or as server-sent events ending in ``data: [DONE]``.

@@ -7,8 +7,9 @@ server runs the prompt into freshly allocated cache blocks, answers with the fir
 and hands back ``kv_transfer_params`` in vLLM's shape (``remote_engine_id``,
 ``remote_block_ids``, ``remote_host``, ``remote_port``, ...) plus what aionixl needs (the
 handshake address, the notification that releases the blocks, the lease). The blocks stay
-leased until the decode side's read delivers that notification (``engine.wait_notification``)
-or until the lease runs out. Without ``do_remote_decode`` the blocks are freed at once.
+leased (``engine.lease``) until the decode side's read delivers that notification
+(``aionixl.read_done``: vLLM's ``"<request id>:1"``) or until the lease runs out. Without
+``do_remote_decode`` the blocks are freed at once.
 ``X-Request-Id`` (the proxy sends one) names the lease. ``GET /v1/models``, ``/health``,
 ``/stats`` and ``/metrics`` (with the ``aionixl[prometheus]`` extra) describe the server.
 
@@ -60,8 +61,9 @@ from .model import ModelConfig, TinyDecoder, pick_device, setup_torch
 
 
 def done_message(request_id: str) -> bytes:
-    """The notification a decode server attaches to its read of this request's blocks."""
-    return b"kv-done:" + request_id.encode()
+    """The notification a decode server attaches to its read of this request's blocks:
+    vLLM's, which releases the engine's lease on them."""
+    return aionixl.read_done(request_id)
 
 
 class PrefillServer:
@@ -75,7 +77,6 @@ class PrefillServer:
         self.lease_s = lease_s
         self.idle_poll_s = idle_poll_s
         self.engine_host = engine_host
-        self.leases: dict[str, list[int]] = {}
         self.counts = {"prefilled": 0, "freed_on_notification": 0, "freed_on_lease_timeout": 0}
         self._engine: aionixl.Engine | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
@@ -123,17 +124,16 @@ class PrefillServer:
             if remote_decode and req.stream:
                 raise HTTPError(400, "bad_request", "kv_transfer_params come back only with stream=false",
                                 param="stream")
-            decode_engine = kv.get("decode_engine_id")
-            if decode_engine is not None and not isinstance(decode_engine, str):
-                raise HTTPError(400, "bad_request", "decode_engine_id must be a string",
-                                param="kv_transfer_params")
             lease_s = kv.get("lease_s", self.lease_s)
             if type(lease_s) not in (int, float) or not 0 < lease_s <= self.lease_s:
                 raise HTTPError(400, "bad_request", f"lease_s must be a number in (0, {self.lease_s}]",
                                 param="kv_transfer_params")
             request_id = request_id_from(request)
-            if request_id in self.leases:
+            if request_id in self.engine.leases:
                 raise HTTPError(409, "duplicate_request", f"request {request_id!r} already holds blocks")
+            if remote_decode and (request_id.startswith("HB:") or "," in request_id):
+                raise HTTPError(400, "bad_request", "X-Request-Id must not start with 'HB:' or hold "
+                                "',' (vLLM's lease heartbeat could not name it)")
             engine, tasks = self.engine, self._tasks
             assert tasks is not None
             tokens = req.tokens
@@ -149,8 +149,9 @@ class PrefillServer:
             # the model still writes into them.
             first = await anyio.to_thread.run_sync(self.model.prefill, tokens, self.cache, blocks)
             compute_s = time.perf_counter() - started
-            if remote_decode:
-                self.leases[request_id] = blocks
+            # Leased before the answer goes out: a read-done that beats the waiting task
+            # still finds its lease.
+            lease = engine.lease(request_id, blocks, duration=float(lease_s)) if remote_decode else None
         except BaseException:
             self.pool.free(blocks)
             raise
@@ -163,33 +164,30 @@ class PrefillServer:
                                                 lambda: None, headers=headers)
             return JSONResponse(completion_body(req, request_id, created, [first],
                                                 kv_transfer_params=None), headers=headers)
-        # Waiting starts now; a notification that beats it to the mailbox is kept there.
-        tasks.start_soon(self._hold_lease, request_id, blocks, decode_engine, float(lease_s))
+        assert lease is not None
+        tasks.start_soon(self._hold_lease, lease)
         params = kv_transfer_params(engine, request_id, blocks, tokens, first, float(lease_s))
         return JSONResponse(completion_body(req, request_id, created, [first], kv_transfer_params=params),
                             headers=headers)
 
-    async def _hold_lease(self, request_id: str, blocks: list[int], decode_engine: str | None,
-                          lease_s: float) -> None:
+    async def _hold_lease(self, lease: aionixl.Lease) -> None:
         """Free the blocks once the decode side's read has landed, or when the lease ends."""
         try:
-            await self.engine.wait_notification(done_message(request_id), peer=decode_engine,
-                                                timeout=lease_s)
+            await lease.wait()
             self.counts["freed_on_notification"] += 1
-        except TimeoutError:
+        except aionixl.LeaseExpiredError:
             self.counts["freed_on_lease_timeout"] += 1
         except aionixl.EngineClosedError:
             pass
         finally:
-            del self.leases[request_id]
-            self.pool.free(blocks)
+            self.pool.free(list(lease.block_ids))
 
     async def stats(self, request: Request) -> Response:
         engine = self._engine
         return JSONResponse({
             "num_blocks": self.pool.num_blocks,
             "free_blocks": self.pool.free_count,
-            "active_leases": len(self.leases),
+            "active_leases": 0 if engine is None else len(engine.leases),
             **self.counts,
             "engine": None if engine is None else {
                 "name": engine.name, "address": engine.address, **engine.stats(),

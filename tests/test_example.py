@@ -262,7 +262,7 @@ async def test_prefill_hands_back_kv_transfer_params_and_frees_unread_blocks(ser
         assert kv["remote_handshake_address"] == prefill.info["engine_address"]
         assert f"tcp://{kv['remote_host']}:{kv['remote_port']}" == prefill.info["engine_address"]
         assert len(kv["remote_block_ids"]) == 3 and kv["remote_num_tokens"] == 40
-        assert kv["remote_request_id"] == "never-read" and kv["remote_notify"] == "kv-done:never-read"
+        assert kv["remote_request_id"] == "never-read" and kv["remote_notify"] == "never-read:1"
         assert [kv["first_token_id"]] == first and body["choices"][0]["text"] == decode_bytes(first)
         assert body["usage"] == {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41}
         after = await poll_json(http, "/stats", lambda s: s["free_blocks"] == s["num_blocks"], 10)
