@@ -155,6 +155,8 @@ class LeaseTable:
                     lease.expires_at = max(lease.expires_at, now + lease.duration)
                     lease._touch()
             return True
+        if not self._live:
+            return False  # nothing to release: no parsing on the notification path
         rid, sep, count = message.decode("utf-8", "replace").rpartition(":")
         if not sep or not count.isdigit():
             return False
