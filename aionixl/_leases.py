@@ -105,6 +105,9 @@ class LeaseTable:
     def __init__(self) -> None:
         self._live: dict[str, Lease] = {}
         self.view: Mapping[str, Lease] = MappingProxyType(self._live)
+        #: No live lease expires before this (heartbeats only move expiries later, so it may
+        #: be early, never late): a sweep before it has nothing to look at.
+        self._next_expiry = math.inf
         self.released = 0  # all readers done
         self.expired = 0
         self.unknown = 0  # heartbeat ids with no live lease
@@ -134,6 +137,7 @@ class LeaseTable:
                 or not 0 < duration < math.inf:
             raise ValueError(f"duration must be a finite number of seconds > 0, got {duration!r}")
         lease = self._live[request_id] = Lease(self, request_id, ids, readers, float(duration), _clock())
+        self._next_expiry = min(self._next_expiry, lease.expires_at)
         return lease
 
     @property
@@ -172,10 +176,12 @@ class LeaseTable:
         return True
 
     def sweep(self, now: float | None = None) -> None:
-        """End the leases whose time is up."""
-        if not self._live:
-            return
+        """End the leases whose time is up (a walk over them only once one may be)."""
         now = _clock() if now is None else now
+        if now < self._next_expiry:
+            return
+        self._next_expiry = min((lease.expires_at for lease in self._live.values()
+                                 if lease.expires_at > now), default=math.inf)
         for lease in [lease for lease in self._live.values() if lease.expires_at <= now]:
             self.expired += 1
             self.end(lease, LeaseExpiredError(
