@@ -228,14 +228,8 @@ class Handshakes:
                             self._host)
         limit = self._config.max_handshake_bytes
         with life.operation():
-            sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+            sock = _zmq.connect_socket(ctx, zmq.DEALER, address, limit, "peer")
             try:
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, limit)
-                try:
-                    sock.connect(address)
-                except zmq.ZMQError as exc:
-                    raise ValueError(f"bad peer address {address!r}: {exc}") from exc
                 await _zmq.send_multipart(sock, proto.seal(proto.encode(hello), self._secret))
                 frames = await _zmq.recv_multipart(sock)
             finally:

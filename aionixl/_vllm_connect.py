@@ -52,14 +52,8 @@ async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,
     request = encode_request(pp_rank, tp_rank)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        sock: zmq.Socket[bytes] = ctx.socket(zmq.REQ)
+        sock = _zmq.connect_socket(ctx, zmq.REQ, endpoint, MAX_REPLY_BYTES, "vLLM side-channel")
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                raise ValueError(f"bad vLLM side-channel address {address!r}: {exc}") from exc
             with anyio.move_on_after(timeout) as scope:
                 await _zmq.send_multipart(sock, [request])
                 frames = await _zmq.recv_multipart(sock)

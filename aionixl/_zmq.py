@@ -48,3 +48,22 @@ async def _wait_for(sock: zmq.Socket[bytes], flag: int) -> None:
     while not int(sock.getsockopt(zmq.EVENTS)) & flag:
         await anyio.wait_readable(fd)
     await anyio.lowlevel.checkpoint()
+
+
+def connect_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str, max_bytes: int,
+                   what: str) -> zmq.Socket[bytes]:
+    """A client socket of ``kind`` connected to ``address``: it closes at once (LINGER 0)
+    and refuses messages over ``max_bytes``. ``ValueError`` naming ``what`` for an address
+    zmq cannot connect to (the socket is closed then)."""
+    sock: zmq.Socket[bytes] = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"bad {what} address {address!r}: {exc}") from exc
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
