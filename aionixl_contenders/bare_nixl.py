@@ -304,7 +304,7 @@ class BarePd:
 
     def step(self, rec: Any, reqs: list[Any], concurrency: int | None = None) -> None:
         """One step: open loop at ``rec.rate``, or closed loop (``concurrency`` outstanding)."""
-        ctx, pool, memory = self.ctx, rec.pool, rec.memory
+        ctx = self.ctx
         agent, local, remote = self.bare.agent, self.bare.local, self.bare.remote
         spin_s = rec.spec.spin_s
         outstanding: list[tuple[Any, Any, Any, float]] = []
@@ -315,14 +315,10 @@ class BarePd:
             now = time.perf_counter()
             while i < n and len(outstanding) < limit:
                 req = reqs[i]
-                due = rec.due(req) if concurrency is None else now
-                if due > now:
+                admitted = rec.admit(req, now, concurrency is not None)
+                if admitted is None:
                     break
-                ids = pool.take(req.nblocks)
-                if ids is None:
-                    rec.result.waited_for_blocks += 1
-                    break
-                memory.clear_sample(ids)
+                due, ids = admitted
                 handle = agent.make_prepped_xfer("READ", local, ctx.local_indices(ids), remote,
                                                  ctx.remote_indices(req.remote), req.notify)
                 state = agent.transfer(handle)

@@ -263,7 +263,7 @@ class ThreadedPd:
         _wait(self.conn, step_s, requests={r})
 
     def step(self, rec: Any, reqs: list[Any], concurrency: int | None = None) -> None:
-        conn, pool, memory, step_s = self.conn, rec.pool, rec.memory, self.step_s
+        conn, step_s = self.conn, self.step_s
         pending: dict[int, tuple[Any, Any, float]] = {}
         n, i = len(reqs), 0
         limit = concurrency or n
@@ -272,14 +272,10 @@ class ThreadedPd:
             now = time.perf_counter()
             while i < n and len(pending) < limit:  # what the scheduler hands over this step
                 req = reqs[i]
-                due = rec.due(req) if concurrency is None else now
-                if due > now:
+                admitted = rec.admit(req, now, concurrency is not None)
+                if admitted is None:
                     break
-                ids = pool.take(req.nblocks)
-                if ids is None:
-                    rec.result.waited_for_blocks += 1
-                    break
-                memory.clear_sample(ids)
+                due, ids = admitted
                 key = self.req.new()
                 conn.read_blocks(key, self.address, ids, req.remote, req.notify)
                 pending[key] = (req, ids, due)

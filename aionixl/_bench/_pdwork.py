@@ -28,12 +28,13 @@ import numpy as np
 import numpy.typing as npt
 
 from ._memory import _SEED, KVMemory
+from ._spec import KVShape
 
 I64 = npt.NDArray[np.int32]  # block ids, as a user holds them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PdSpec:
+class PdSpec(KVShape):
     """The P/D workload's geometry and sizes (times in seconds)."""
 
     #: A small model (the micro workload's): 4 layers x K/V = 8 regions; a block of 16 tokens
@@ -61,14 +62,6 @@ class PdSpec:
     #: timers are rounded to 1 ms by epoll): the same in every contender.
     spin_s: float = 0.0012
     quick: bool = False
-
-    @property
-    def regions(self) -> int:
-        return 2 * self.layers
-
-    @property
-    def bytes_per_block_id(self) -> int:
-        return self.regions * self.block_bytes
 
     @property
     def max_blocks(self) -> int:
@@ -236,6 +229,20 @@ class StepRecorder:
     def due(self, req: Request) -> float:
         """When ``req`` is scheduled to arrive (perf_counter seconds)."""
         return self.t0 + (req.at / self.rate if self.rate else 0.0)
+
+    def admit(self, req: Request, now: float, closed_loop: bool) -> tuple[float, I64] | None:
+        """The next request, if it is due at ``now`` (in a closed loop it always is) and the
+        pool has its blocks: its arrival time and its local block ids, sample cleared. None:
+        not yet (a wait for blocks is counted)."""
+        due = now if closed_loop else self.due(req)
+        if due > now:
+            return None
+        ids = self.pool.take(req.nblocks)
+        if ids is None:
+            self.result.waited_for_blocks += 1
+            return None
+        self.memory.clear_sample(ids)
+        return due, ids
 
     def done(self, req: Request, local: I64, scheduled: float) -> None:
         t = time.perf_counter()

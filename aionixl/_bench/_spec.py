@@ -11,8 +11,24 @@ def _seq_default() -> dict[int, int]:
     return {1: 3000, 16: 300, 256: 12}
 
 
+class KVShape:
+    """A cache of ``layers`` x K and V regions of ``block_bytes`` per block (both workloads)."""
+
+    __slots__ = ()
+    layers: int
+    block_bytes: int
+
+    @property
+    def regions(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def bytes_per_block_id(self) -> int:
+        return self.regions * self.block_bytes
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Spec:
+class Spec(KVShape):
     """Sizes and counts. Times in seconds."""
 
     layers: int = 4
@@ -54,14 +70,6 @@ class Spec:
     #: The vLLM model's head dimension; its KV heads follow from --block-bytes.
     vllm_head_dim: int = 64
     quick: bool = False
-
-    @property
-    def regions(self) -> int:
-        return 2 * self.layers
-
-    @property
-    def bytes_per_block_id(self) -> int:
-        return self.regions * self.block_bytes
 
     @property
     def slow_tls(self) -> str:
