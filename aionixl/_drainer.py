@@ -23,6 +23,7 @@ from ._notifications import Mailbox, Notification
 from ._peers import PeerTable
 from ._push import Pusher
 from ._ratelimit import RateLimitedLog
+from ._vllm_serve import VllmServer
 from ._wire import MULTI, RESERVED, TAGGED, SeenTags, unpack_notifications, unpack_tagged
 
 
@@ -31,7 +32,7 @@ class NotificationDrainer:
 
     def __init__(self, local: LocalSide, config: EngineConfig, deliver: Callable[[Notification], None],
                  mailbox: Mailbox, leases: LeaseTable, peers: PeerTable, table: InFlightTable,
-                 push: Pusher, noisy: RateLimitedLog) -> None:
+                 push: Pusher, vllm: VllmServer, noisy: RateLimitedLog) -> None:
         self._local = local
         self._config = config
         self._deliver = deliver  # to a lease (read-dones, heartbeats) or the mailbox
@@ -40,6 +41,7 @@ class NotificationDrainer:
         self._peers = peers
         self._table = table
         self._push = push
+        self._vllm = vllm  # while it serves, vLLM decoders we never admitted may read from us
         self._noisy = noisy
         self._wakeup = anyio.Event()
         self._seen_tags = SeenTags()
@@ -77,11 +79,13 @@ class NotificationDrainer:
         """Cadence: every loop turn while transfers are in flight or notifications arrive,
         then backing off (doubling) to ``notification_poll_interval`` while someone waits
         (a ``wait_notification`` caller or a live lease),
-        or to ``idle_poll_interval`` when nobody does; with no peers and no waiters it
-        sleeps until woken. Any activity (a transfer, a handshake, a new waiter) resets it.
+        or to ``idle_poll_interval`` when nobody does; with no peers, no waiters and no vLLM
+        side channel served it sleeps until woken. Any activity (a transfer, a handshake, a
+        new waiter) resets it.
         """
         deliver, mailbox, leases = self._deliver, self._mailbox, self._leases
         peers, table, push = self._peers, self._table, self._push
+        vllm = self._vllm
         busy_cap = self._config.notification_poll_interval
         idle_cap = self._config.idle_poll_interval
         probe_every = self._config.peer_probe_interval
@@ -98,7 +102,7 @@ class NotificationDrainer:
                 next_probe = anyio.current_time() + probe_every
             if delivered or table.records or push.active:
                 interval = 0.0
-            elif not peers and not waiting:
+            elif not peers and not waiting and not vllm.serving:
                 interval = math.inf  # nobody to hear from: sleep until something happens
             else:
                 cap = busy_cap if waiting else idle_cap

@@ -49,6 +49,7 @@ from ._regions import IndexArray, Region, block_descriptors, describe_regions, r
 from ._results import Op, TransferResult
 from ._transfers import Transfers
 from ._vllm_connect import VllmConnector
+from ._vllm_serve import VllmServer
 from ._vllm_wire import heartbeat_message
 from ._wire import user_message
 
@@ -87,6 +88,8 @@ class Engine:
         local = self._local = LocalSide(name, self._regions)
         self._tg: anyio.abc.TaskGroup | None = None
         self._bg_scope = anyio.CancelScope()
+        #: The background task group (listeners, poller, drainer, push server) once open.
+        self._bg_tg: anyio.abc.TaskGroup | None = None
         self._bg_started = False
         self._bg_done = anyio.Event()
         self._close_done = anyio.Event()
@@ -116,13 +119,14 @@ class Engine:
         self._push = Pusher(local, config, peers, table, deliver, noisy, self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers)
+        self._vllm_server = VllmServer(local, noisy, self._wake_drainer)
         self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)
         # The hot path: a call goes straight to the component's coroutine function (the
         # method below documents it and does the same; this skips one Python call).
         self.transfer_blocks = self._transfers.transfer_blocks  # type: ignore[method-assign]
         self._drainer = NotificationDrainer(local, config, deliver, mailbox, leases, peers, table,
-                                            self._push, noisy)
+                                            self._push, self._vllm_server, noisy)
 
     # ---- properties ---------------------------------------------------------------------
 
@@ -181,6 +185,8 @@ class Engine:
             "pushes_served": self._push.served,
             "pushes_refused": self._push.refused,
             "fence_evictions": self._peers.fenced_evictions,
+            "vllm_requests_answered": self._vllm_server.answered,
+            "vllm_requests_refused": self._vllm_server.refused,
         }
 
     def metrics(self) -> EngineMetrics:
@@ -325,6 +331,7 @@ class Engine:
         try:
             with self._bg_scope:
                 async with anyio.create_task_group() as tg:
+                    self._bg_tg = tg
                     if self._listen is not None:
                         self._address = await tg.start(self._handshakes.listen, self._listen)
                     tg.start_soon(self._inflight.run)
@@ -447,6 +454,44 @@ class Engine:
         """
         return await self._vllm.connect(address, pp_rank=pp_rank, tp_rank=tp_rank,
                                         expect_compat_hash=expect_compat_hash, timeout=timeout)
+
+    async def serve_vllm(self, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
+                         block_size: int, kv_cache_layout: str, attn_backend_name: str,
+                         tp_rank: int = 0, pp_rank: int = 0,
+                         layer_names: Sequence[str] | None = None) -> str:
+        """Answer vLLM NixlConnector decode workers' handshakes on ``listen``; returns the
+        bound endpoint (``tcp://host:port``).
+
+        A vLLM decode (``kv_role="kv_consumer"``) told ``remote_engine_id=engine_id`` and
+        this host and port (:func:`aionixl.vllm.transfer_params`) fetches this engine's
+        metadata here and then reads the blocks itself; its completion notification
+        releases the :meth:`lease` of that request id, and its heartbeats extend it. What
+        the decode checks against its own configuration: ``compat_hash`` (vLLM's
+        compatibility hash of the deployment: same vLLM version, model, dtype, attention
+        backend), ``block_size`` (tokens per block), ``kv_cache_layout`` (e.g.
+        ``"LBHNC"``), ``attn_backend_name`` (e.g. ``"CPU_ATTN"``, ``"FLASH_ATTN"``), the
+        number of regions (one per attention layer, in layer order) and their bytes per
+        block; ``layer_names`` (optional) must then equal its layer names. Served: rank
+        (``pp_rank``, ``tp_rank``); a request for another rank gets a refusal. The listener
+        is a task of the engine's task group and stops when the engine closes; one per
+        engine (``RuntimeError`` for a second call). ``ValueError`` for a bad argument,
+        ``ListenError`` when ``listen`` cannot be bound (docs/vllm.md).
+        """
+        self._check_open()
+        if not isinstance(listen, str) or not listen:
+            raise ValueError("listen must be a zmq endpoint string such as 'tcp://0.0.0.0:5600'")
+        server = self._vllm_server
+        server.configure(engine_id=engine_id, compat_hash=compat_hash, block_size=block_size,
+                         kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
+                         pp_rank=pp_rank, tp_rank=tp_rank, layer_names=layer_names)
+        assert self._bg_tg is not None
+        try:
+            address: str = await self._bg_tg.start(server.listen, listen)
+        except BaseException:
+            server.serving = False  # not bound: a later call may try another endpoint
+            raise
+        self._wake_drainer()
+        return address
 
     async def disconnect(self, peer: Peer) -> None:
         """Forget ``peer`` and release its NIXL state.

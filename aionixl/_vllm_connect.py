@@ -25,6 +25,7 @@ from ._peers import PeerTable
 from ._protocol import Incompatible
 from ._vllm_wire import (
     VllmHandshake,
+    VllmRefused,
     VllmWireError,
     check_geometry,
     decode_reply,
@@ -66,6 +67,8 @@ async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,
         ctx.term()
     try:
         return decode_reply(frames, MAX_REPLY_BYTES)
+    except VllmRefused as exc:
+        raise HandshakeError(f"the vLLM side channel at {endpoint} refused: {exc}") from exc
     except VllmWireError as exc:
         raise HandshakeError(f"unusable reply from the vLLM side channel at {endpoint}: {exc}") from exc
 

@@ -35,6 +35,11 @@ class VllmWireError(Exception):
     """A reply that is not a usable vLLM NixlConnector handshake."""
 
 
+class VllmRefused(VllmWireError):
+    """The listener answered with a refusal (an aionixl listener asked for a rank it does
+    not serve, or for something that is not a metadata request)."""
+
+
 class VllmAgentMetadata(msgspec.Struct, frozen=True):
     """What a vLLM prefill worker says about its KV cache (fields aionixl uses; others ignored).
 
@@ -56,11 +61,19 @@ class VllmAgentMetadata(msgspec.Struct, frozen=True):
     region_num_blocks: list[int] | None = None
     region_names: list[str] | None = None
     region_mem_types: list[str] | None = None
+    dcp_size: int = 1
+    pcp_size: int = 1
 
 
 class _Payload(msgspec.Struct, frozen=True):
     compatibility_hash: str
     agent_metadata_bytes: bytes
+
+
+class _Refusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """aionixl's answer to a request it does not serve (vLLM's own listener has none)."""
+
+    error: str
 
 
 class VllmHandshake(msgspec.Struct, frozen=True):
@@ -74,6 +87,7 @@ class VllmHandshake(msgspec.Struct, frozen=True):
 _payload_decoder = msgspec.msgpack.Decoder(_Payload)
 _metadata_decoder = msgspec.msgpack.Decoder(VllmAgentMetadata)
 _clock_decoder = msgspec.msgpack.Decoder(float)
+_refusal_decoder = msgspec.msgpack.Decoder(_Refusal)
 
 
 def encode_request(pp_rank: int = 0, tp_rank: int = 0) -> bytes:
@@ -90,6 +104,13 @@ def decode_reply(frames: Sequence[bytes], limit: int) -> VllmHandshake:
         raise VllmWireError(f"expected 1 or 2 reply frames, got {len(frames)}")
     if sum(len(f) for f in frames) > limit:
         raise VllmWireError(f"reply larger than {limit} bytes")
+    if len(frames) == 1:
+        try:
+            refusal = _refusal_decoder.decode(frames[0])
+        except msgspec.DecodeError:
+            pass
+        else:
+            raise VllmRefused(refusal.error)
     try:
         payload = _payload_decoder.decode(frames[0])
         metadata = _metadata_decoder.decode(payload.agent_metadata_bytes)
@@ -193,3 +214,81 @@ def parse_notification(message: bytes) -> tuple[str, int] | list[str]:
         return rid, int(count)
     except ValueError:
         raise VllmWireError(f"not a vLLM notification: {message[:80]!r}") from None
+
+
+# ---- the serving side: answering vLLM decode workers ------------------------------------
+
+#: A metadata request is ~20 bytes; anything much larger is not one.
+MAX_REQUEST_BYTES = 1024
+
+_request_decoder = msgspec.msgpack.Decoder(tuple[bytes, int, int])
+_encoder = msgspec.msgpack.Encoder()
+
+
+def decode_request(frames: Sequence[bytes]) -> tuple[int, int]:
+    """The (pp_rank, tp_rank) a decode worker asks for (the frames after the envelope)."""
+    if len(frames) != 1:
+        raise VllmWireError(f"expected one request frame, got {len(frames)}")
+    if len(frames[0]) > MAX_REQUEST_BYTES:
+        raise VllmWireError(f"request larger than {MAX_REQUEST_BYTES} bytes")
+    try:
+        tag, pp_rank, tp_rank = _request_decoder.decode(frames[0])
+    except msgspec.DecodeError as exc:
+        raise VllmWireError(f"not a vLLM metadata request: {exc}") from None
+    if tag != GET_META:
+        raise VllmWireError(f"not a vLLM metadata request: {tag[:32]!r}")
+    if pp_rank < 0 or tp_rank < 0:
+        raise VllmWireError(f"negative rank ({pp_rank}, {tp_rank})")
+    return pp_rank, tp_rank
+
+
+def serving_metadata(engine_id: str, agent_metadata: bytes, ours: Sequence[proto.RegionInfo], *,
+                     block_size: int, kv_cache_layout: str, attn_backend_name: str,
+                     layer_names: Sequence[str] | None = None) -> VllmAgentMetadata:
+    """This engine's regions as a vLLM decode worker expects a prefill to describe them.
+
+    One vLLM region per aionixl region, in order; every region in one memory kind with one
+    block count (what aionixl engines have). ``layer_names``: vLLM's layer name of each
+    region (a decode that is told them checks they equal its own; None says nothing).
+    ``ValueError`` for a bad argument.
+    """
+    for value, what in ((engine_id, "engine_id"), (kv_cache_layout, "kv_cache_layout"),
+                        (attn_backend_name, "attn_backend_name")):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{what} must be a non-empty str")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError("block_size (tokens per block) must be an int >= 1")
+    names = None
+    if layer_names is not None:
+        names = list(layer_names)
+        if isinstance(layer_names, str) or len(names) != len(ours) or \
+                not all(isinstance(x, str) and x for x in names):
+            raise ValueError(f"layer_names must be {len(ours)} non-empty str, one per region")
+    return VllmAgentMetadata(
+        engine_id=engine_id, agent_metadata=agent_metadata,
+        kv_caches_base_addr=[r.base for r in ours], device_id=ours[0].device,
+        num_blocks=ours[0].num_blocks, block_lens=[r.block_bytes for r in ours],
+        block_strides=[r.stride for r in ours], kv_cache_layout=kv_cache_layout,
+        block_size=block_size, attn_backend_name=attn_backend_name,
+        region_num_blocks=[r.num_blocks for r in ours],
+        region_names=names,
+        region_mem_types=[r.mem_type for r in ours])
+
+
+def encode_payload(compatibility_hash: str, md: VllmAgentMetadata) -> bytes:
+    """The first reply frame (it does not change while an engine serves)."""
+    if not isinstance(compatibility_hash, str) or not compatibility_hash:
+        raise ValueError("compat_hash must be a non-empty str (vLLM's compatibility hash)")
+    return _encoder.encode(_Payload(compatibility_hash, _encoder.encode(md)))
+
+
+def encode_reply(payload: bytes, clock: float) -> list[bytes]:
+    """The reply frames: the payload and this process's ``perf_counter`` (vLLM's decode
+    estimates the clock offset to its prefill from it)."""
+    return [payload, _encoder.encode(clock)]
+
+
+def encode_refusal(reason: str) -> list[bytes]:
+    """One frame saying why a request is not served (vLLM's decode fails on it at once,
+    instead of waiting out its receive timeout; :func:`decode_reply` raises VllmRefused)."""
+    return [_encoder.encode(_Refusal(reason))]

@@ -1,8 +1,15 @@
-"""Reading KV blocks from a vLLM NixlConnector prefill worker (vLLM's pull mode).
+"""vLLM's NixlConnector (pull mode), both ways: reading from a vLLM prefill, serving vLLM decoders.
 
     peer = await engine.connect_vllm("tcp://prefill-host:5600")
     await engine.transfer_blocks(peer, local_ids, remote_ids, op="read",
                                  notify=aionixl.vllm.read_notification(remote_request_id))
+
+    address = await engine.serve_vllm("tcp://0.0.0.0:5600", engine_id="prefill-0",
+                                      compat_hash=..., block_size=16, kv_cache_layout="LBHNC",
+                                      attn_backend_name="FLASH_ATTN")
+    lease = engine.lease(request_id, block_ids)        # a vLLM decoder's notification ends it
+    params = aionixl.vllm.transfer_params(request_id, block_ids, engine_id="prefill-0",
+                                          host="prefill-host", port=5600)
 
 ``connect`` speaks vLLM's side-channel handshake from the event loop (a REQ socket driven
 through its FD, no threads, one deadline), decodes vLLM's metadata, checks the geometry
@@ -23,8 +30,8 @@ therefore noticed at the next transfer (``PeerDisconnectedError``), not by the p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._vllm_connect import MAX_REPLY_BYTES, fetch_metadata
 from ._vllm_wire import (
@@ -46,6 +53,8 @@ __all__ = [
     "fetch_metadata",
     "heartbeat",
     "read_notification",
+    "serve",
+    "transfer_params",
 ]
 
 
@@ -71,3 +80,40 @@ async def heartbeat(engine: Engine, peer: Peer, request_ids: Iterable[str]) -> N
     """
     await engine.send_notification(peer, heartbeat_message(request_ids))
 
+
+
+async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
+                block_size: int, kv_cache_layout: str, attn_backend_name: str, tp_rank: int = 0,
+                pp_rank: int = 0, layer_names: Sequence[str] | None = None) -> str:
+    """The same as :meth:`Engine.serve_vllm`: answer vLLM decode workers' handshakes."""
+    return await engine.serve_vllm(listen, engine_id=engine_id, compat_hash=compat_hash,
+                                   block_size=block_size, kv_cache_layout=kv_cache_layout,
+                                   attn_backend_name=attn_backend_name, tp_rank=tp_rank,
+                                   pp_rank=pp_rank, layer_names=layer_names)
+
+
+def transfer_params(request_id: str, block_ids: Iterable[int], *, num_tokens: int, engine_id: str,
+                    host: str, port: int, tp_size: int = 1) -> dict[str, Any]:
+    """What a vLLM decode needs to read a request's blocks from an engine serving vLLM:
+    the ``kv_transfer_params`` a vLLM prefill returns with its response (the proxy hands
+    them to the decode's request). ``request_id`` is the lease's (the decode's notification
+    names it); ``num_tokens``: the prompt tokens whose KV the blocks hold (vLLM's decode
+    scheduler loads that many, less what it has cached); ``host``/``port``: where
+    :meth:`Engine.serve_vllm` listens, as the decode reaches it; ``tp_size``: the TP size
+    of the prefill (1 for one aionixl engine)."""
+    read_notification(request_id)  # the same checks: it must be usable as vLLM's notification
+    ids = [int(b) for b in block_ids]
+    if not ids or min(ids) < 0:
+        raise ValueError("block_ids must be one or more ids >= 0")
+    for value, what, low in ((num_tokens, "num_tokens", 1), (port, "port", 1), (tp_size, "tp_size", 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{what} must be an int >= {low}")
+    if port > 65535:
+        raise ValueError("port must be at most 65535")
+    for text, what in ((engine_id, "engine_id"), (host, "host")):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{what} must be a non-empty str")
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+            "remote_request_id": request_id, "remote_block_ids": [ids], "remote_host": host,
+            "remote_port": port, "remote_num_tokens": num_tokens, "tp_size": tp_size,
+            "dcp_size": 1, "pp_size": 1}

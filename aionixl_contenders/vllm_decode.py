@@ -19,7 +19,9 @@ engine loop, as the bench asks:
   it (``_cleanup_remote_engine``).
 
 Protocol (:mod:`aionixl._lines` messages): ``ready`` on ``--fd``; then one command per
-line on stdin, each answered by one message on ``--fd`` (``{"error": ...}`` when it failed). End of stdin
+line on stdin, each answered by one message on ``--fd`` (``{"error": ...}`` when it failed):
+``connect``, ``reads``, ``verify``, ``idle``, ``close``, ``pd`` for the bench; ``target``, ``post``
+and ``heartbeat`` for the tests of an aionixl prefill serving vLLM (``tests_vllm/``). End of stdin
 shuts the connectors down and exits. Bytes are checked against the prefill's pattern
 (``expected_words``) by the ``verify`` command.
 """
@@ -65,11 +67,11 @@ class Decode:
 
     # ---- one request, as the scheduler would hand it over ----------------------------------
 
-    def post(self, worker: Any, req: str, local: list[int], remote: list[int]) -> None:
+    def post(self, worker: Any, req: str, local: list[int], remote: list[int], tp_size: int = 1) -> None:
         meta = self._meta_cls()
         params = {"remote_block_ids": (list(remote),), "remote_engine_id": self.remote["engine_id"],
                   "remote_request_id": req, "remote_host": self.remote["host"],
-                  "remote_port": self.remote["port"], "tp_size": 1}
+                  "remote_port": self.remote["port"], "tp_size": tp_size}
         meta.add_new_req_to_recv(request_id=f"d-{req}", local_block_ids=(list(local),),
                                  kv_transfer_params=params, awaiting_kvs=True)
         self._step(worker, meta)
@@ -135,6 +137,28 @@ class Decode:
                 self.forget(self.worker)
             times.append(self.handshake(self.worker, req))
         return {"connect": times, "threads": thread_count()}
+
+    def cmd_target(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Read from this prefill from now on; vLLM handshakes at the first read, as in service."""
+        self.remote = {"engine_id": cmd["engine_id"], "host": cmd["host"], "port": int(cmd["port"])}
+        return {"target": self.remote}
+
+    def cmd_post(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Post one read and return at once (what is under way when this process is killed)."""
+        self.post(self.worker, cmd["req"], list(cmd["local"]), list(cmd["remote"]), cmd.get("tp_size", 1))
+        inner = self._inner()
+        return {"posted": cmd["req"], "in_flight": sum(len(h) for h in inner._recving_transfers.values())}
+
+    def cmd_heartbeat(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """One engine step whose scheduler metadata asks for heartbeats of ``reqs`` (vLLM's
+        ``"HB:id1,id2"``, sent by the worker to the prefill's agent)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo
+
+        meta = self._meta_cls()
+        meta.heartbeat_by_engine[self.remote["engine_id"]] = HeartbeatInfo(
+            req_ids=set(cmd["reqs"]), host=self.remote["host"], port=self.remote["port"], tp_size=1)
+        self._step(self.worker, meta)
+        return {"heartbeat": sorted(cmd["reqs"])}
 
     def cmd_reads(self, cmd: dict[str, Any]) -> dict[str, Any]:
         pairs = cmd["pairs"]
@@ -296,11 +320,15 @@ def main() -> None:
                     args.kv_heads, args.head_dim, 30, args.dist_port, unpin=args.unpin)
     decode = Decode(side, side.port)
     emit({"ready": {"pid": os.getpid(), "page_bytes": side.page_bytes, "layers": side.layers,
+                    "compat_hash": side.handshake.compatibility_hash, "block_size": args.block_size,
+                    "attn_backend": side.worker.connector_worker.backend_name,
+                    "layer_names": side.layer_names,
                     "blocks": side.blocks, "threads_base": side.threads_base,
                     "threads_open": thread_count(), "vllm_affinity": side.affinity,
                     "affinity": sorted(os.sched_getaffinity(0))}})
     handlers = {"connect": decode.cmd_connect, "reads": decode.cmd_reads, "verify": decode.cmd_verify,
-                "idle": decode.cmd_idle, "close": decode.cmd_close, "pd": decode.cmd_pd}
+                "idle": decode.cmd_idle, "close": decode.cmd_close, "pd": decode.cmd_pd,
+                "target": decode.cmd_target, "post": decode.cmd_post, "heartbeat": decode.cmd_heartbeat}
     try:
         for line in sys.stdin:
             cmd = decode_line(line)

@@ -116,3 +116,33 @@ def test_notifications_round_trip_as_vllm_reads_them() -> None:
                 lambda: wire.heartbeat_message(["a,b"])):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_a_metadata_request_decodes_to_its_rank_and_anything_else_is_a_wire_error() -> None:
+    assert wire.decode_request([wire.encode_request(2, 5)]) == (2, 5)
+    bad = [[], [b"x", b"y"], [b"\xc1"], [msgspec.msgpack.encode([b"get_meta_msg", 0])],
+           [msgspec.msgpack.encode([b"get_meta_msg", 0, -2])], [msgspec.msgpack.encode([b"nope", 0, 0])],
+           [b"\x93" + b"\xc4\x0cget_meta_msg" + b"\x00" * 2000]]
+    for frames in bad:
+        with pytest.raises(wire.VllmWireError):
+            wire.decode_request(frames)
+
+
+def test_served_metadata_reads_back_as_the_same_regions() -> None:
+    theirs = [proto.RegionInfo(4096 + i * (1 << 20), PAGE * 2, PAGE, 8, "DRAM", 0) for i in range(3)]
+    md = wire.serving_metadata("p7", b"agent", theirs, block_size=32, kv_cache_layout="LBHNC",
+                               attn_backend_name="FLASH_ATTN")
+    got = wire.decode_reply(wire.encode_reply(wire.encode_payload("h" * 64, md), 3.5), 1 << 20)
+    assert got.compatibility_hash == "h" * 64 and got.remote_clock == 3.5 and got.metadata == md
+    assert wire.regions(got.metadata, "VRAM") == theirs
+    assert got.metadata.region_names is None  # a decode compares names only when told them
+    payload = msgspec.msgpack.decode(wire.encode_payload("h", md))
+    decoded = msgspec.msgpack.decode(payload["agent_metadata_bytes"])
+    for field in ("block_strides", "kv_cache_layout", "block_size", "ssm_sizes", "attn_backend_name",
+                  "physical_blocks_per_logical_kv_block"):  # fields vLLM's decoder requires
+        assert field in decoded
+
+
+def test_a_refusal_reads_as_vllm_refused() -> None:
+    with pytest.raises(wire.VllmRefused, match="serves tp_rank 0 only"):
+        wire.decode_reply(wire.encode_refusal("serves tp_rank 0 only"), 1 << 20)

@@ -1,0 +1,127 @@
+"""Serving vLLM decode workers: vLLM's side channel answered from the event loop.
+
+A vLLM NixlConnector decode worker asks a prefill's side channel for rank (pp, tp)'s
+metadata (one REQ frame) before it reads. This listener answers with this engine's NIXL
+agent metadata and regions in vLLM's form (:func:`aionixl._vllm_wire.serving_metadata`);
+the decode then reads the blocks itself (NIXL READ), and its completion notification and
+heartbeats arrive through the drainer, where the engine's leases take them. Unlike vLLM's
+own listener thread, this one never dies on bad input: a request it cannot serve (another
+rank, garbage) gets a one-frame refusal, and the socket refuses oversized messages. It is a
+task of the engine's task group and stops with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import zmq
+
+from . import _protocol as proto
+from . import _zmq
+from ._errors import ListenError
+from ._lifecycle import LocalSide
+from ._ratelimit import RateLimitedLog
+from ._vllm_wire import (
+    MAX_REQUEST_BYTES,
+    VllmWireError,
+    decode_request,
+    encode_payload,
+    encode_refusal,
+    encode_reply,
+    serving_metadata,
+)
+
+
+class VllmServer:
+    """One engine's vLLM side channel (see :meth:`Engine.serve_vllm`)."""
+
+    def __init__(self, local: LocalSide, noisy: RateLimitedLog, wake_drainer: Callable[[], None]) -> None:
+        self._local = local
+        self._noisy = noisy
+        self._wake_drainer = wake_drainer
+        self._payload = b""
+        self._rank = (0, 0)
+        #: The bound endpoint once serving; None before.
+        self.address: str | None = None
+        #: True from the first serve_vllm call on: decode workers may read from us, so the
+        #: drainer keeps NIXL progressing even with no peer of our own.
+        self.serving = False
+        self.answered = self.refused = 0
+
+    def configure(self, *, engine_id: str, compat_hash: str, block_size: int, kv_cache_layout: str,
+                  attn_backend_name: str, pp_rank: int, tp_rank: int,
+                  layer_names: Sequence[str] | None) -> None:
+        """Check the arguments and build the reply; ``ValueError`` for a bad one,
+        ``RuntimeError`` when this engine serves vLLM already."""
+        if self.serving:
+            raise RuntimeError(f"engine {self._local.name!r} serves vLLM decoders already "
+                               f"(at {self.address})")
+        for value, what in ((pp_rank, "pp_rank"), (tp_rank, "tp_rank")):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{what} must be an int >= 0")
+        regions = [proto.RegionInfo.of(r) for r in self._local.regions]
+        md = serving_metadata(engine_id, self._local.metadata, regions, block_size=block_size,
+                              kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
+                              layer_names=layer_names)
+        self._payload = encode_payload(compat_hash, md)
+        self._rank = (pp_rank, tp_rank)
+        self.serving = True
+
+    async def listen(self, endpoint: str, *, task_status: anyio.abc.TaskStatus[str]) -> None:
+        """Answer metadata requests on ``endpoint`` until cancelled; reports the bound address."""
+        zctx = self._local.zctx
+        assert zctx is not None
+        sock: zmq.Socket[bytes] = zctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES + 256)
+            sock.setsockopt(zmq.RCVHWM, 64)
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                raise ListenError(f"cannot serve vLLM on {endpoint!r}: {exc}") from exc
+            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            task_status.started(self.address)
+            while True:
+                frames = await _zmq.recv_multipart(sock)
+                envelope, body = split_envelope(frames)
+                if envelope and not _zmq.try_send_multipart(sock, [*envelope, *self.answer(body)]):
+                    self._noisy.log(logging.DEBUG, "vllm-reply", "vLLM side-channel reply dropped: "
+                                    "the client is gone or not reading")
+                self._wake_drainer()
+                await anyio.lowlevel.checkpoint()
+        finally:
+            sock.close(linger=0)
+
+    def answer(self, body: list[bytes]) -> list[bytes]:
+        """The reply frames to one request. Never raises for bad input: it refuses."""
+        try:
+            rank = decode_request(body)
+        except VllmWireError as exc:
+            return self._refuse(f"not a vLLM metadata request: {exc}")
+        if rank != self._rank:
+            return self._refuse(f"engine {self._local.name!r} serves pp_rank {self._rank[0]}, "
+                                f"tp_rank {self._rank[1]} only; asked for {rank}")
+        self.answered += 1
+        return encode_reply(self._payload, time.perf_counter())
+
+    def _refuse(self, reason: str) -> list[bytes]:
+        self.refused += 1
+        self._noisy.log(logging.WARNING, "vllm-refused", "refused a vLLM side-channel request: %s",
+                        reason)
+        return encode_refusal(proto.clip(reason))
+
+
+def split_envelope(frames: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """A ROUTER message as (routing envelope, body): a REQ client's envelope ends with an
+    empty delimiter frame, a DEALER's is its routing id alone."""
+    for i, frame in enumerate(frames[1:], 1):
+        if not frame:
+            return frames[:i + 1], frames[i + 1:]
+    return frames[:1], frames[1:]

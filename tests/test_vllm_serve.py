@@ -1,0 +1,154 @@
+"""``Engine.serve_vllm``: vLLM's side channel answered from the event loop, without vLLM.
+
+The client here is aionixl's own vLLM client (``connect_vllm``: the same request frame, the
+same reply decoding a vLLM decode worker uses), so a real aionixl reader reads real blocks
+through it; the real vLLM decode worker is in ``tests_vllm/test_vllm_serve.py``. The
+listener is fuzzed with raw zmq clients: nothing they send stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+import aionixl
+import aionixl.vllm
+from aionixl import _vllm_wire as wire
+
+from .helpers import numpy_cache, zero_resources
+
+pytestmark = pytest.mark.anyio
+
+BLOCKS, BLOCK_BYTES, REGIONS = 32, 4096, 2
+SERVE = {"engine_id": "prefill-0", "compat_hash": "c0ffee" * 8, "block_size": 16,
+         "kv_cache_layout": "LBHNC", "attn_backend_name": "CPU_ATTN"}
+
+
+async def test_an_aionixl_reader_reads_through_the_vllm_side_channel_and_releases_the_lease() -> None:
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=3)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    async with aionixl.Engine("p", src_cache, listen=None) as prefill, \
+            aionixl.Engine("d", dst_cache, listen=None) as decode:
+        address = await prefill.serve_vllm(**SERVE)
+        assert address.startswith("tcp://127.0.0.1:")
+        lease = prefill.lease("req-1", [4, 5, 6], duration=30)
+        peer = await decode.connect_vllm(address, expect_compat_hash=SERVE["compat_hash"], timeout=10)
+        assert [r.block_bytes for r in peer.regions] == [BLOCK_BYTES] * REGIONS
+        await aionixl.vllm.heartbeat(decode, peer, ["req-1"])
+        await decode.transfer_blocks(peer, [0, 1, 2], [4, 5, 6],
+                                     notify=aionixl.vllm.read_notification("req-1"))
+        with anyio.fail_after(10):
+            await lease.wait()
+        assert all(np.array_equal(d[[0, 1, 2]], s[[4, 5, 6]])
+                   for d, s in zip(dst_cache, src_cache, strict=True))
+        assert prefill.stats()["vllm_requests_answered"] == 1
+        assert prefill.metrics().leases_released == 1
+    assert zero_resources(prefill) and zero_resources(decode)
+
+
+async def test_the_reply_describes_the_engine_as_a_vllm_prefill() -> None:
+    cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    async with aionixl.Engine("p", cache, listen=None) as prefill:
+        before = time.perf_counter()
+        address = await prefill.serve_vllm(**SERVE, tp_rank=3, layer_names=names)
+        reply = await aionixl.vllm.fetch_metadata(address, tp_rank=3, timeout=10)
+        md = reply.metadata
+        assert reply.compatibility_hash == SERVE["compat_hash"]
+        assert md.engine_id == "prefill-0" and md.block_size == 16 and md.kv_cache_layout == "LBHNC"
+        assert md.attn_backend_name == "CPU_ATTN" and md.region_names == names
+        assert md.kv_caches_base_addr == [r.base for r in prefill.regions]
+        assert md.block_lens == md.block_strides == [BLOCK_BYTES] * REGIONS
+        assert md.num_blocks == BLOCKS and md.region_mem_types == ["DRAM"] * REGIONS
+        assert md.agent_metadata == prefill.nixl_metadata()
+        assert reply.remote_clock is not None and before <= reply.remote_clock <= time.perf_counter()
+
+
+async def test_garbage_never_stops_the_listener_and_requests_it_cannot_serve_are_refused() -> None:
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
+        address = await prefill.serve_vllm(**SERVE)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        rng = np.random.default_rng(7)
+        try:
+            cases = [[rng.bytes(int(n))] for n in rng.integers(0, 200, 40)]
+            cases += [[b""], [b"", b"", b""], [wire.encode_request(0, 0), b"extra"],
+                      [msgspec.msgpack.encode([b"get_meta_msg", -1, 0])],
+                      [msgspec.msgpack.encode([b"get_meta_msg", 0, 1])],
+                      [msgspec.msgpack.encode(["get_meta_msg", 0, 0])],
+                      [msgspec.msgpack.encode([b"other", 0, 0])], [b"\x00" * 1000]]
+            for frames in cases:  # a REQ client: each gets a refusal it can read
+                with ctx.socket(zmq.REQ) as sock:
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(address)
+                    sock.send_multipart(frames)
+                    reply = await _recv(sock)
+                    with pytest.raises(wire.VllmRefused):
+                        wire.decode_reply(reply, 1 << 20)
+            with ctx.socket(zmq.DEALER) as sock:  # no envelope delimiter; an oversized message
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+                sock.send_multipart([b"junk"])
+                with pytest.raises(wire.VllmRefused):
+                    wire.decode_reply(await _recv(sock), 1 << 20)
+                sock.send(os.urandom(1 << 20))  # over the socket's limit: zmq drops the client
+            refused = prefill.stats()["vllm_requests_refused"]
+            assert refused == len(cases) + 1
+            reply = await aionixl.vllm.fetch_metadata(address, timeout=10)  # still serving
+            assert reply.metadata.engine_id == "prefill-0"
+            assert prefill.stats()["vllm_requests_answered"] == 1
+        finally:
+            ctx.destroy(linger=0)
+
+
+async def _recv(sock: zmq.Socket[bytes]) -> list[bytes]:
+    with anyio.fail_after(10):
+        while True:
+            try:
+                return sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await anyio.sleep(0.002)
+
+
+async def test_bad_arguments_are_value_errors_and_a_second_listener_is_refused() -> None:
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
+        for change in ({"engine_id": ""}, {"compat_hash": ""}, {"block_size": 0}, {"block_size": True},
+                       {"kv_cache_layout": ""}, {"attn_backend_name": 3}, {"tp_rank": -1},
+                       {"pp_rank": "0"}, {"layer_names": ["only-one"]}, {"layer_names": "ab"}):
+            with pytest.raises(ValueError):
+                await prefill.serve_vllm(**{**SERVE, **change})
+        with pytest.raises(aionixl.ListenError):
+            await prefill.serve_vllm("tcp://256.0.0.1:1", **SERVE)
+        address = await prefill.serve_vllm(**SERVE)  # the failures left nothing behind
+        with pytest.raises(RuntimeError, match="serves vLLM decoders already"):
+            await prefill.serve_vllm(**SERVE)
+        assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
+    with pytest.raises(aionixl.EngineClosedError):
+        await prefill.serve_vllm(**SERVE)
+
+
+async def test_the_listener_stops_with_the_engine() -> None:
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
+        address = await prefill.serve_vllm(**SERVE)
+    with pytest.raises(aionixl.HandshakeError, match="did not answer"):
+        await aionixl.vllm.fetch_metadata(address, timeout=0.3)
+
+
+def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:
+    params = aionixl.vllm.transfer_params("req-9", [3, 4], num_tokens=40, engine_id="prefill-0",
+                                          host="10.0.0.2", port=5600)
+    assert params == {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-0",
+                      "remote_request_id": "req-9", "remote_block_ids": [[3, 4]], "remote_host": "10.0.0.2",
+                      "remote_port": 5600, "remote_num_tokens": 40, "tp_size": 1, "dcp_size": 1,
+                      "pp_size": 1}
+    base = {"num_tokens": 40, "engine_id": "e", "host": "h", "port": 1}
+    for rid, ids, change in (("", [1], {}), ("HB:x", [1], {}), ("r", [], {}), ("r", [-1], {}),
+                             ("r", [1], {"num_tokens": 0}), ("r", [1], {"port": 70000}),
+                             ("r", [1], {"host": ""}), ("r", [1], {"engine_id": ""})):
+        with pytest.raises(ValueError):
+            aionixl.vllm.transfer_params(rid, ids, **{**base, **change})  # type: ignore[arg-type]

@@ -1,0 +1,126 @@
+"""An aionixl prefill serving a real vLLM NixlConnector decode worker (``Engine.serve_vllm``).
+
+The decode is vLLM's own connector in the consumer role (``aionixl_contenders.vllm_decode``,
+a child process driven as vLLM's engine loop drives it): its side-channel handshake, its
+NIXL READs, its completion notification and its heartbeats. The prefill is an aionixl engine
+in this process whose blocks hold a known pattern; the decode checks every word it read
+against that pattern, and the prefill's lease says what the notifications did.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aionixl
+import aionixl.vllm
+from aionixl._bench._memory import expected_words
+
+from .decode import VllmDecode
+
+pytestmark = pytest.mark.anyio
+
+LAYERS, BLOCKS = 4, 64
+_ids = itertools.count()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{next(_ids)}"
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[VllmDecode]:
+    worker = VllmDecode(LAYERS, BLOCKS)
+    try:
+        anyio.run(worker.start)
+        yield worker
+    finally:
+        assert worker.stop() == 0
+
+
+def prefill_cache(page: int) -> list[np.ndarray]:
+    """One [blocks, page] region per layer, every block holding the pattern the decode checks."""
+    ids = np.arange(BLOCKS, dtype=np.int64)
+    regions = []
+    for layer in range(LAYERS):
+        words = expected_words(layer, ids, page // 8)
+        regions.append(words.view(np.uint8).reshape(BLOCKS, page).copy())
+    return regions
+
+
+async def serve(engine: aionixl.Engine, decode: VllmDecode, engine_id: str, **changes: Any) -> str:
+    """Serve vLLM on a free port and point the decode at it; the address served."""
+    ready = decode.ready
+    kwargs: dict[str, Any] = {
+        "engine_id": engine_id, "compat_hash": ready["compat_hash"], "block_size": ready["block_size"],
+        "kv_cache_layout": "LBHNC", "attn_backend_name": ready["attn_backend"],
+        "layer_names": ready["layer_names"]}
+    kwargs.update(changes)
+    address = await engine.serve_vllm("tcp://127.0.0.1:0", **kwargs)
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    await decode.ask({"op": "target", "engine_id": engine_id, "host": host, "port": int(port)})
+    return address
+
+
+async def test_vllm_decode_reads_exact_blocks_and_its_notification_releases_the_lease(
+        decode: VllmDecode, anyio_backend: str) -> None:
+    engine_id, req = unique("pre"), unique("req")
+    async with aionixl.Engine(engine_id, prefill_cache(decode.ready["page_bytes"]), listen=None) as engine:
+        await serve(engine, decode, engine_id)
+        remote = [5, 9, 10, 11, 63]
+        lease = engine.lease(req, remote, duration=60)
+        got = await decode.ask({"op": "verify", "req": req, "local": [0, 1, 2, 3, 4], "remote": remote})
+        assert got == {"ok": True, "blocks": 5}  # every word of every layer compared
+        with anyio.fail_after(10):
+            await lease.wait()
+        assert lease.done and lease.readers_done == 1 and req not in engine.leases
+        metrics = engine.metrics()
+        assert (metrics.leases_released, metrics.leases_expired, metrics.leases_active) == (1, 0, 0)
+        assert engine.stats()["vllm_requests_answered"] == 1
+    assert all(v == 0 for v in engine.live_resources().values())
+
+
+async def test_vllm_heartbeats_keep_the_lease_alive_past_its_duration(decode: VllmDecode,
+                                                                      anyio_backend: str) -> None:
+    engine_id, kept, lapsed = unique("pre"), unique("kept"), unique("lapsed")
+    async with aionixl.Engine(engine_id, prefill_cache(decode.ready["page_bytes"]), listen=None) as engine:
+        await serve(engine, decode, engine_id)
+        got = await decode.ask({"op": "verify", "req": unique("warm"), "local": [0], "remote": [0]})
+        assert got["ok"]  # vLLM has handshaken: heartbeats go out from its next step on
+        duration = 1.5
+        lease = engine.lease(kept, [1, 2], duration=duration)
+        other = engine.lease(lapsed, [3], duration=duration)
+        first_expiry = lease.expires_at
+        for _ in range(4):  # 2 s of heartbeats: past the duration
+            await decode.ask({"op": "heartbeat", "reqs": [kept]})
+            await anyio.sleep(0.5)
+        assert lease.expires_at > first_expiry and not lease.done
+        with pytest.raises(aionixl.LeaseExpiredError):
+            with anyio.fail_after(5):
+                await other.wait()
+        got = await decode.ask({"op": "verify", "req": kept, "local": [4, 5], "remote": [1, 2]})
+        assert got == {"ok": True, "blocks": 2}
+        with anyio.fail_after(10):
+            await lease.wait()
+        metrics = engine.metrics()
+        assert (metrics.leases_released, metrics.leases_expired) == (1, 1)
+
+
+async def test_a_rank_not_served_is_refused_and_the_server_keeps_serving(decode: VllmDecode,
+                                                                         anyio_backend: str) -> None:
+    engine_id = unique("pre")
+    async with aionixl.Engine(engine_id, prefill_cache(decode.ready["page_bytes"]), listen=None) as engine:
+        address = await serve(engine, decode, engine_id, tp_rank=1)  # the decode asks for rank 0
+        with pytest.raises(RuntimeError, match="vLLM reported failed reads"):
+            await decode.ask({"op": "verify", "req": unique("refused"), "local": [0], "remote": [0]})
+        assert engine.stats()["vllm_requests_refused"] >= 1
+        assert engine.stats()["vllm_requests_answered"] == 0
+        # The listener lives on: aionixl's own vLLM client reads through it.
+        hs = await aionixl.vllm.fetch_metadata(address, tp_rank=1)
+        assert hs.metadata.engine_id == engine_id
