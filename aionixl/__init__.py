@@ -19,10 +19,12 @@ from ._errors import (
 )
 from ._leases import Lease, LeaseCancelledError, LeaseExpiredError, read_done
 from ._notifications import Notification
+from ._parts import BlockPart
 from ._regions import Region
 
 __all__ = [
     "AionixlError",
+    "BlockPart",
     "Engine",
     "EngineClosedError",
     "EngineConfig",

@@ -33,6 +33,12 @@ class EngineConfig:
     nixl_telemetry: bool = False
     #: Extra compatibility keys (model, dtype, layout...) that must match on both sides.
     compat: Mapping[str, str] = field(default_factory=_mapping)
+    #: Refuse peers (``connect``, the listener, ``connect_vllm``) whose bytes per block
+    #: differ from ours in any region, with ``IncompatiblePeerError`` (``.field``
+    #: ``"bytes_per_block[i]"``). Off by default: such peers are admitted, and parts of
+    #: blocks (``aionixl.BlockPart``) move between them; whole blocks of different sizes are
+    #: refused per transfer. The region count must match either way.
+    require_equal_geometry: bool = False
     transfer_timeout: float = 60.0
     #: How long ``aclose()`` may spend releasing NIXL resources before it reports leaks.
     close_timeout: float = 5.0
@@ -135,6 +141,8 @@ class EngineConfig:
                 or not 0 <= self.coalesce_window < math.inf:
             raise ValueError(f"coalesce_window must be a finite number of seconds >= 0, "
                              f"got {self.coalesce_window!r}")
+        if not isinstance(self.require_equal_geometry, bool):
+            raise ValueError(f"require_equal_geometry must be a bool, got {self.require_equal_geometry!r}")
         if not isinstance(self.coalesce, bool):
             raise ValueError(f"coalesce must be a bool, got {self.coalesce!r}")
         if self.read_mode not in ("auto", "get", "push"):

@@ -40,6 +40,7 @@ from ._metrics import EngineMetrics, TransferMetrics
 from ._nixl import Agent
 from ._notifications import Mailbox, Notification
 from ._parking import loop_tools
+from ._parts import BlockPart
 from ._peer import Peer
 from ._peers import PeerTable
 from ._post import DirectPath, LoopTurns
@@ -118,7 +119,7 @@ class Engine:
 
         self._push = Pusher(local, config, peers, table, deliver, noisy, self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
-        self._vllm = VllmConnector(local, life, peers)
+        self._vllm = VllmConnector(local, life, peers, config)
         self._vllm_server = VllmServer(local, noisy, self._wake_drainer)
         self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)
@@ -448,9 +449,11 @@ class Engine:
         """Connect to a vLLM NixlConnector prefill worker and admit its agent as a peer.
 
         Idempotent for a live peer at the same address. ``IncompatiblePeerError``
-        (``.field`` says what) when the region count or bytes per block differ, when vLLM's
-        layout has no one-id-per-block form, or when ``expect_compat_hash`` is given and
-        differs; ``HandshakeError`` for no answer or a bad reply (docs/vllm.md).
+        (``.field`` says what) when the region count differs (or the bytes per block, with
+        ``EngineConfig.require_equal_geometry``), when vLLM's layout has no one-id-per-block
+        form, or when ``expect_compat_hash`` is given and differs; ``HandshakeError`` for no
+        answer or a bad reply (docs/vllm.md). A prefill at another TP or block size is
+        admitted: block parts move between the two (:mod:`aionixl.layouts`).
         """
         return await self._vllm.connect(address, pp_rank=pp_rank, tp_rank=tp_rank,
                                         expect_compat_hash=expect_compat_hash, timeout=timeout)
@@ -515,8 +518,9 @@ class Engine:
 
     def transfer_blocks(self, peer: Peer, local_blocks: Sequence[int] | IndexArray,
                         remote_blocks: Sequence[int] | IndexArray, op: Op = "read",
-                        notify: bytes | None = None,
-                        timeout: float | None = None) -> Coroutine[Any, Any, TransferResult]:
+                        notify: bytes | None = None, timeout: float | None = None, *,
+                        local_part: BlockPart | None = None,
+                        remote_part: BlockPart | None = None) -> Coroutine[Any, Any, TransferResult]:
         """Move blocks between this engine and ``peer``, in every region (await it).
 
         ``op="read"`` copies the peer's block ``remote_blocks[i]`` into our block
@@ -524,10 +528,20 @@ class Engine:
         place. ``notify`` is delivered to the peer after the data landed. ``timeout``
         defaults to ``EngineConfig.transfer_timeout``; on expiry, or on cancellation, the
         NIXL transfer is aborted and released.
+
+        ``local_part`` and ``remote_part`` (:class:`aionixl.BlockPart`; None is the whole
+        block) move parts of blocks, for peers whose layout differs from ours (another
+        tensor parallelism: head slices; another block size: token ranges): the selected
+        bytes of each source block, in increasing offset, land in the selected bytes of
+        the matching destination block, in increasing offset. Both must select as many
+        bytes of every region; a part that does not divide a block, or selections of
+        different sizes (whole blocks of different sizes too), raise ``ValueError`` naming
+        the region and sizes before anything is sent.
         """
         # Shadowed per instance by the component's own method (see __init__); kept for
         # documentation and for anyone calling it through the class.
-        return self._transfers.transfer_blocks(peer, local_blocks, remote_blocks, op, notify, timeout)
+        return self._transfers.transfer_blocks(peer, local_blocks, remote_blocks, op, notify, timeout,
+                                               local_part=local_part, remote_part=remote_part)
 
     # ---- notifications ------------------------------------------------------------------
 

@@ -117,8 +117,8 @@ class Handshakes:
                 return proto.Reject(version, "draining", f"engine {name!r} takes no new peers")
             if hello.name == name:
                 return proto.Reject(version, "self", f"{proto.clip(hello.name)!r} is this engine's own name")
-            proto.check_compatible(self._regions, self._compat, hello.regions, hello.compat)
-            proto.check_hash(self._compat_hash, hello.compat_hash)
+            proto.check_peer(self._regions, self._compat, self._compat_hash, hello,
+                             equal_geometry=self._config.require_equal_geometry)
             self._peers.admit(hello.name, hello.agent_metadata, hello.regions, None, hello.features,
                               proto.clip_host(hello.host))
         except proto.ProtocolError as exc:
@@ -131,7 +131,8 @@ class Handshakes:
             self._noisy.log(logging.WARNING, "admit", "handshake failed on our side: %s",
                             proto.clip(repr(exc)))
             return proto.Reject(version, "internal", proto.clip(str(exc)))
-        return proto.Welcome(version, *self._info(), hello.nonce, 0.0, sorted(FEATURES), self._host)
+        return proto.Welcome(version, *self._info(), hello.nonce, 0.0, sorted(FEATURES), self._host,
+                             self._config.require_equal_geometry)
 
     # ---- connecting out -----------------------------------------------------------------
 
@@ -225,7 +226,7 @@ class Handshakes:
         assert agent is not None and ctx is not None
         nonce = proto.new_nonce() if self._secret is not None else b""
         hello = proto.Hello(proto.PROTOCOL_VERSION, *self._info(), nonce, time.time(), sorted(FEATURES),
-                            self._host)
+                            self._host, self._config.require_equal_geometry)
         limit = self._config.max_handshake_bytes
         with life.operation():
             sock = _zmq.connect_socket(ctx, zmq.DEALER, address, limit, "peer")
@@ -254,8 +255,8 @@ class Handshakes:
         if reply.name == name:
             raise RefusedError(f"{address} is this engine ({name!r}) itself")
         try:
-            proto.check_compatible(self._regions, self._compat, reply.regions, reply.compat)
-            proto.check_hash(self._compat_hash, reply.compat_hash)
+            proto.check_peer(self._regions, self._compat, self._compat_hash, reply,
+                             equal_geometry=self._config.require_equal_geometry)
         except proto.Incompatible as exc:
             raise IncompatiblePeerError(f"peer {reply.name!r} at {address}: {exc}",
                                         field=exc.field) from None

@@ -82,17 +82,16 @@ class _Counters:
         for w in (0, 1):
             if ring := rings[w]:
                 table = np.array(ring, np.float64).reshape(-1, 3)
-                self._fold(w, table[:, 0].astype(np.int64), table[:, 1], table[:, 2],
-                           bytes_per_block)
+                blocks = int(table[:, 0].astype(np.int64).sum())
+                self._fold(w, len(table), blocks * bytes_per_block, table[:, 1], table[:, 2])
             if ring := rings[2 + w]:
                 table = np.array(ring, np.float64).reshape(-1, 2)
-                self._fold(w, np.ones(len(table), np.int64), table[:, 0], table[:, 1],
-                           bytes_per_block)
+                self._fold(w, len(table), len(table) * bytes_per_block, table[:, 0], table[:, 1])
 
-    def _fold(self, w: int, blocks: npt.NDArray[np.int64], seconds: npt.NDArray[np.float64],
-              post: npt.NDArray[np.float64], bytes_per_block: int) -> None:
-        self.outcomes[w][0] += len(blocks)
-        self.bytes[w] += int(blocks.sum()) * bytes_per_block
+    def _fold(self, w: int, transfers: int, nbytes: int, seconds: npt.NDArray[np.float64],
+              post: npt.NDArray[np.float64]) -> None:
+        self.outcomes[w][0] += transfers
+        self.bytes[w] += nbytes
         for hist, sums, values in ((self.seconds[w], self.seconds_sum, seconds),
                                    (self.post[w], self.post_sum, post)):
             # side="left": a value equal to a bound counts in that bound's bucket (le).
@@ -117,7 +116,8 @@ class TransferMetrics(_Counters, Generic[Result]):
     folds, and a snapshot that saw it odd or changed reads again).
     """
 
-    __slots__ = ("done", "done_one", "flush", "version", "_rings", "_bytes_per_block", "_noisy")
+    __slots__ = ("done", "done_one", "flush", "version", "_rings", "_bytes_per_block", "_noisy",
+                 "_result")
 
     def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
                  noisy: RateLimitedLog) -> None:
@@ -126,6 +126,7 @@ class TransferMetrics(_Counters, Generic[Result]):
         self.version = 0
         self._bytes_per_block = bytes_per_block
         self._noisy = noisy
+        self._result = result
         self.done, self.done_one, self.flush = self._recorder(result, bytes_per_block, regions)
 
     def _recorder(self, result: type[Result], bytes_per_block: int, regions: int
@@ -197,6 +198,24 @@ class TransferMetrics(_Counters, Generic[Result]):
                 self.version += 1
 
         return done, done_one, flush
+
+    def done_part(self, op: str, nblocks: int, nbytes: int, descriptors: int, started: float,
+                  posted: float, seen: float, now: float,
+                  telemetry: tuple[float, float, int] | None) -> Result:
+        """``done`` for a transfer of block parts (``aionixl._parts``): it moved ``nbytes``,
+        not ``nblocks`` whole blocks, which is what the rings count, so it is folded into
+        the counters at once, bracketed by ``version`` as ``flush`` is (a snapshot never
+        sees half of it). Part transfers are rare next to whole-block ones, so this fold's
+        numpy calls cost nothing that matters."""
+        seconds = now - started
+        post = posted - started if telemetry is None else telemetry[0]
+        self.version += 1
+        try:
+            self._fold(int(op == "write"), 1, nbytes, np.array([seconds]), np.array([post]))
+        finally:
+            self.version += 1
+        rest = (post, seen - started, descriptors) if telemetry is None else telemetry
+        return _new_tuple(self._result, (nblocks, nbytes, seconds, *rest))
 
     def failed(self, exc: Exc, peer: Any, op: str, nblocks: int, started: float) -> Exc:
         """Count a transfer that ended with ``exc`` and log it (rate-limited, structured)."""

@@ -6,6 +6,7 @@ still usable); admitting, evicting and probing peers is :mod:`aionixl._peers`' j
 
 from __future__ import annotations
 
+from ._parts import BlockPart, PartLists
 from ._regions import Region, region_offsets
 
 
@@ -21,7 +22,7 @@ class Peer:
 
     __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
                  "_offset_list", "_metadata", "_owner", "_connected", "_lost", "_one_block", "_foreign",
-                 "read_mode", "_push", "_revive")
+                 "read_mode", "_push", "_revive", "_unequal", "_parts")
 
     def __init__(self, owner: object, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes,
@@ -53,6 +54,18 @@ class Peer:
         #: peer's engine writes into our blocks); chosen at the handshake (EngineConfig.read_mode).
         self.read_mode = read_mode
         self._push = read_mode == "push"  # for the hot path
+        #: Some region's blocks differ in size from ours (set by the peer table at
+        #: admission): whole-block transfers are refused, block parts may fit.
+        self._unequal = False
+        #: Descriptor lists prepared for transfers of block parts with this peer, by
+        #: (local part, remote part); owned by the peer table, released when it drops us.
+        self._parts: dict[tuple[BlockPart | None, BlockPart | None], PartLists] = {}
+
+    @property
+    def bytes_per_block(self) -> tuple[int, ...]:
+        """The size of one block of each of the peer's regions, in bytes (it may differ
+        from ours: transfers of :class:`aionixl.BlockPart` move parts of blocks)."""
+        return tuple(r.block_bytes for r in self.regions)
 
     @property
     def connected(self) -> bool:

@@ -25,6 +25,7 @@ from ._inflight import progress_quietly
 from ._lifecycle import LocalSide
 from ._metrics import EVICTION_CAUSES, eviction_cause
 from ._nixl import metadata_agent_name
+from ._parts import BlockPart, PartLists, check_list_size, part_descriptors, plan_parts
 from ._peer import Peer
 from ._ratelimit import RateLimitedLog
 from ._regions import block_descriptors
@@ -34,6 +35,11 @@ log = logging.getLogger("aionixl")
 
 #: Told when a peer is dropped (evicted or disconnected), with the error its transfers get.
 OnDrop = Callable[[Peer, AionixlError], None]
+
+#: The most pairs of block parts one peer may have descriptor lists prepared for (each pair
+#: is two lists over every block, kept until the peer goes; a peer asking for push reads
+#: of parts chooses the pairs on the serving side).
+MAX_PART_LAYOUTS = 64
 
 
 class PeerTable:
@@ -115,6 +121,7 @@ class PeerTable:
             peer = old
         else:
             peer = Peer(self, name, address, remote, dlist, metadata, known, host, mode)
+        peer._unequal = [r.block_bytes for r in remote] != [r.block_bytes for r in self._local.regions]
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer
@@ -135,6 +142,38 @@ class PeerTable:
             self.drop(peer, None)
             raise
         return peer
+
+    # ---- descriptor lists for block parts --------------------------------------------------
+
+    def part_lists(self, peer: Peer, local_part: BlockPart | None,
+                   remote_part: BlockPart | None) -> PartLists:
+        """The descriptor lists for moving ``local_part`` of our blocks to or from
+        ``remote_part`` of ``peer``'s, prepared on first use and kept until the peer is
+        dropped. ``ValueError`` (before anything is prepared) for parts that do not fit the
+        two geometries (see :func:`aionixl._parts.plan_parts`) or one pair too many."""
+        key = (local_part, remote_part)
+        lists = peer._parts.get(key)
+        if lists is not None:
+            return lists
+        local = self._local
+        plan = plan_parts([r.block_bytes for r in local.regions], local_part,
+                          [r.block_bytes for r in peer.regions], remote_part)
+        if len(peer._parts) >= MAX_PART_LAYOUTS:
+            raise ValueError(f"peer {peer.name!r} already has descriptor lists for "
+                             f"{MAX_PART_LAYOUTS} pairs of block parts; no more are prepared")
+        check_list_size(local.num_blocks, plan.local, "local_part")
+        check_list_size(peer.num_blocks, plan.remote, "remote_part")
+        agent = local.agent
+        assert agent is not None
+        mine = agent.prep_dlist(None, part_descriptors(local.regions, plan.local), local.mem_type)
+        try:
+            theirs = agent.prep_dlist(peer.name, part_descriptors(peer.regions, plan.remote),
+                                      peer.regions[0].mem_type)
+        except AionixlError:
+            _attempt(agent.release_dlist, mine, [])
+            raise
+        lists = peer._parts[key] = PartLists(plan, mine, local.num_blocks, theirs, peer.num_blocks)
+        return lists
 
     # ---- losing peers -------------------------------------------------------------------
 
@@ -183,6 +222,10 @@ class PeerTable:
             return
         self._on_drop(peer, error or PeerDisconnectedError(f"peer {peer.name!r} was disconnected"))
         sink: list[str] = [] if problems is None else problems
+        for lists in peer._parts.values():
+            _attempt(agent.release_dlist, lists.local, sink)
+            _attempt(agent.release_dlist, lists.remote, sink)
+        peer._parts.clear()
         _attempt(agent.release_dlist, peer._dlist, sink)
         _attempt(agent.remove_remote, peer.name, sink)
         if problems is None and sink:

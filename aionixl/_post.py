@@ -24,6 +24,7 @@ from ._inflight import InFlightTable
 from ._lifecycle import DRAINING, OPEN, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices, Status
+from ._parts import PartLists
 from ._peer import Peer
 from ._peers import PeerTable
 from ._results import Op, TransferResult
@@ -77,15 +78,18 @@ class DirectPath:
         self._inline_polls = config.inline_polls
 
     def post(self, peer: Peer, op: Op, local_idx: Indices, remote_idx: Indices, nblocks: int,
-             message: bytes, started: float) -> Posted:
+             message: bytes, started: float, parts: PartLists | None = None) -> Posted:
         """Post one request for one caller, polled a few times inline. A request that
         finished inside the post comes back DONE with ``NO_HANDLE``; any other is
-        ``wait``-ed for. A failed post is counted, and its peer evicted if it is gone."""
+        ``wait``-ed for. A failed post is counted, and its peer evicted if it is gone.
+        The indices are into the whole-block lists, or into ``parts``' lists."""
         agent = self._local.agent
         assert agent is not None
         try:
-            handle, status = agent.start_xfer(op, self._local.dlist, local_idx, peer._dlist,
-                                              remote_idx, message, self._inline_polls)
+            handle, status = agent.start_xfer(
+                op, self._local.dlist if parts is None else parts.local, local_idx,
+                peer._dlist if parts is None else parts.remote, remote_idx, message,
+                self._inline_polls)
         except PeerDisconnectedError as exc:
             raise self._metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
         except AionixlError as exc:
@@ -94,7 +98,8 @@ class DirectPath:
         return handle, status, agent.posted, agent.telemetry
 
     async def wait(self, peer: Peer, op: Op, posted: Posted, local_idx: Indices, remote_idx: Indices,
-                   nblocks: int, timeout: float | None, started: float) -> TransferResult:
+                   nblocks: int, timeout: float | None, started: float,
+                   parts: PartLists | None = None) -> TransferResult:
         """Wait for a posted request through the poller; a read that ends early is fenced."""
         handle, status, posted_at, _ = posted
         limit = self._config.transfer_timeout if timeout is None else timeout
@@ -103,19 +108,23 @@ class DirectPath:
         except BaseException as exc:
             self._metrics.failed(exc, peer, op, nblocks, started)
             if op == "read" and peer._connected:
-                await self.fence(peer, local_idx, remote_idx)  # no late bytes
+                await self.fence(peer, local_idx, remote_idx, parts)  # no late bytes
             raise
         agent = self._local.agent
         telemetry = None if agent is None else agent.telemetry
         seen = self._turns.last_yield = time.perf_counter()
-        return self._metrics.done(op, nblocks, started, posted_at, seen, seen, telemetry)
+        if parts is None:
+            return self._metrics.done(op, nblocks, started, posted_at, seen, seen, telemetry)
+        return self._metrics.done_part(op, nblocks, nblocks * parts.nbytes, nblocks * parts.per_block,
+                                       started, posted_at, seen, seen, telemetry)
 
-    async def fence(self, peer: Peer, local_idx: Indices, remote_idx: Indices) -> None:
+    async def fence(self, peer: Peer, local_idx: Indices, remote_idx: Indices,
+                    parts: PartLists | None = None) -> None:
         """After an aborted GET: one more small READ from the same peer, or evict it.
 
         It reads the first descriptor of the aborted read again (bytes that read was
-        allowed to write). Skipped for a closing engine (its connections close) and a lost
-        peer.
+        allowed to write; from ``parts``' lists for a read of block parts). Skipped for a
+        closing engine (its connections close) and a lost peer.
         """
         agent = self._local.agent
         if agent is None or not peer.connected or self._life.state not in (OPEN, DRAINING):
@@ -124,8 +133,9 @@ class DirectPath:
         ended: list[Status] = []
         with anyio.CancelScope(shield=True):
             try:
-                handle, status = agent.start_xfer("read", self._local.dlist, [int(local_idx[0])],
-                                                  peer._dlist, [int(remote_idx[0])], b"", 1)
+                handle, status = agent.start_xfer(
+                    "read", self._local.dlist if parts is None else parts.local, [int(local_idx[0])],
+                    peer._dlist if parts is None else parts.remote, [int(remote_idx[0])], b"", 1)
                 if status is not DONE or handle != NO_HANDLE:
                     await self._table.finish(peer, handle, status, limit, ended)
             except TransferTimeoutError:

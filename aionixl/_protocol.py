@@ -67,6 +67,10 @@ class _EngineInfo(msgspec.Struct, frozen=True):
     #: Facts about where the sender runs, for choices that depend on the path between two
     #: engines (for example the read mode): opaque strings, compared for equality only.
     host: dict[str, str] = msgspec.field(default_factory=dict)
+    #: The sender refuses peers whose bytes per block differ from its own
+    #: (``EngineConfig.require_equal_geometry``): the receiver then refuses such a peer
+    #: too, so that no listener keeps a peer whose client refused its Welcome.
+    equal_geometry: bool = False
 
 
 class Hello(_EngineInfo, frozen=True, tag="hello"):
@@ -262,15 +266,19 @@ def check_compatible(
     our_compat: Mapping[str, str],
     theirs: Sequence[RegionInfo],
     their_compat: Mapping[str, str],
+    *,
+    equal_geometry: bool = False,
 ) -> None:
-    """Raise ``Incompatible`` naming the first field that differs."""
+    """Raise ``Incompatible`` naming the first field that differs: the region count, the
+    compat keys, and with ``equal_geometry`` the bytes per block of each region (peers
+    whose blocks differ in size move parts of blocks, ``aionixl.BlockPart``)."""
     if len(ours) != len(theirs):
         raise Incompatible(
             f"region count differs: we have {len(ours)}, the peer has {len(theirs)}",
             "region_count",
         )
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        if a.block_bytes != b.block_bytes:
+        if equal_geometry and a.block_bytes != b.block_bytes:
             raise Incompatible(
                 f"bytes per block of region {i} differ: ours {a.block_bytes}, "
                 f"the peer's {b.block_bytes}",
@@ -289,3 +297,15 @@ def check_hash(expected: str, got: str) -> None:
     """Geometry matched field by field yet the digests differ: different hashing rules."""
     if expected != got:
         raise Incompatible("compatibility hash differs", "compat_hash")
+
+
+def check_peer(ours: Sequence[Region], our_compat: Mapping[str, str], our_hash: str,
+               peer: _EngineInfo, *, equal_geometry: bool) -> None:
+    """Everything a handshake checks of a peer's ``Hello`` or ``Welcome``
+    (:func:`check_compatible`), and its compat hash where the hash covers the same
+    inputs: it hashes block sizes, so it differs for a peer whose blocks differ, which
+    is admitted unless ``equal_geometry`` (ours or the peer's) asks for equal ones."""
+    check_compatible(ours, our_compat, peer.regions, peer.compat,
+                     equal_geometry=equal_geometry or peer.equal_geometry)
+    if [r.block_bytes for r in ours] == [r.block_bytes for r in peer.regions]:
+        check_hash(our_hash, peer.compat_hash)

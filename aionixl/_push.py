@@ -10,11 +10,13 @@ The exchange, all over reserved NIXL notifications (their formats are in
 :mod:`aionixl._wire`; never delivered to callers):
 
 - reader → server ``PUSH`` + request (id, destination and source block ids, deadline,
-  the caller's ``notify``). The server accepts it only from an admitted peer, validates
-  every id, bounds the requests one peer may have open, and writes the blocks into the
-  reader's memory in chunks of ``push_chunk_bytes``, one NIXL WRITE at a time, each
-  tracked in the engine's in-flight table (so close, eviction and drops
-  release it like any transfer) under the push's deadline.
+  the caller's ``notify``; for parts of blocks both parts, sent only to a server that
+  announces ``PARTS_FEATURE``). The server accepts it only from an admitted peer,
+  validates every id (and plans parts against both geometries itself, with part lists
+  from the peer table's cache, as a reader's are), bounds the requests one peer may have
+  open, and writes the blocks into the reader's memory in chunks of ``push_chunk_bytes``,
+  one NIXL WRITE at a time, each tracked in the engine's in-flight table (so close,
+  eviction and drops release it like any transfer) under the push's deadline.
 - The last chunk carries ``PDONE`` + id. NIXL sends a transfer's notification only once
   the transfer completed, which includes a UCX flush of the endpoint, so the data of this
   and every earlier chunk is in the reader's memory when the reader sees it. The caller's
@@ -59,6 +61,7 @@ from ._inflight import InFlight, InFlightTable
 from ._lifecycle import LocalSide
 from ._nixl import DONE, NO_HANDLE, PROC, Indices
 from ._notifications import Notification
+from ._parts import BlockPart, PartLists
 from ._peer import Peer
 from ._peers import PeerTable
 from ._ratelimit import RateLimitedLog
@@ -83,6 +86,11 @@ from ._wire import (
 )
 
 log = logging.getLogger("aionixl")
+
+
+def _part(wire: tuple[int, int, int] | None) -> BlockPart | None:
+    """A part as a push request carries it (``ValueError`` for a bad one)."""
+    return None if wire is None else BlockPart(*wire)
 
 
 # ---- the component ----------------------------------------------------------------------
@@ -113,13 +121,14 @@ class _Read:
 class _Job:
     """One push this engine serves: the chunks still to write into a peer's blocks."""
 
-    __slots__ = ("peer", "rid", "chunks", "deadline", "notify", "cancelled", "wake")
+    __slots__ = ("peer", "rid", "chunks", "parts", "deadline", "notify", "cancelled", "wake")
 
     def __init__(self, peer: Peer, rid: int, chunks: list[tuple[IndexArray, IndexArray]],
-                 deadline: float, notify: bytes) -> None:
+                 parts: PartLists | None, deadline: float, notify: bytes) -> None:
         self.peer = peer
         self.rid = rid
         self.chunks = chunks
+        self.parts = parts  # the lists the chunks index, for parts of blocks; else whole blocks
         self.deadline = deadline
         self.notify = notify
         self.cancelled = False
@@ -169,8 +178,11 @@ class Pusher:
     # ---- the reader's side --------------------------------------------------------------
 
     async def read(self, peer: Peer, local_idx: Indices, remote_idx: Indices, nblocks: int,
-                   notify: bytes, timeout: float | None) -> TransferResult:
-        """Ask ``peer`` to write its blocks into ours; return once they landed."""
+                   notify: bytes, timeout: float | None,
+                   parts: tuple[BlockPart | None, BlockPart | None] | None = None) -> TransferResult:
+        """Ask ``peer`` to write its blocks into ours; return once they landed. ``parts``
+        (our part, the peer's part) asks for parts of blocks; the peer must announce
+        ``PARTS_FEATURE`` (the caller checks)."""
         agent = self._local.agent
         assert agent is not None
         limit = self._config.transfer_timeout if timeout is None else timeout
@@ -179,7 +191,10 @@ class Pusher:
         dst = np.asarray(local_idx[:nblocks], dtype="<i4").tobytes()
         src = np.asarray(remote_idx[:nblocks], dtype="<i4").tobytes()
         rid = next(self._ids)
-        request = push_request(PushRequest(rid, dst, src, float(limit), notify))
+        dst_part, src_part = (None, None) if parts is None else parts
+        request = push_request(PushRequest(rid, dst, src, float(limit), notify,
+                                           None if dst_part is None else dst_part.as_tuple(),
+                                           None if src_part is None else src_part.as_tuple()))
         rec = _Read(peer, rid)
         self.reads[rid] = rec
         try:
@@ -323,8 +338,8 @@ class Pusher:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(peer, 0, f"malformed push request: {exc}")
         try:
-            chunks = self._chunks(peer, req)
-        except ValueError as exc:
+            chunks, parts = self._chunks(peer, req)
+        except (ValueError, AionixlError) as exc:
             return self._refuse(peer, req.rid, str(exc))
         key = (name, req.rid)
         if key in self.jobs:
@@ -335,13 +350,15 @@ class Pusher:
         if self._tg is None or self._closing:
             return self._refuse(peer, req.rid, "the engine is closing")
         limit = min(req.timeout, self._config.transfer_timeout) + self._config.push_cancel_timeout
-        job = _Job(peer, req.rid, chunks, anyio.current_time() + limit, req.notify)
+        job = _Job(peer, req.rid, chunks, parts, anyio.current_time() + limit, req.notify)
         self.jobs[key] = job
         self._per_peer[name] = self._per_peer.get(name, 0) + 1
         self._tg.start_soon(self._push, job)
 
-    def _chunks(self, peer: Peer, req: PushRequest) -> list[tuple[IndexArray, IndexArray]]:
-        """Validate every id of a request; the (source, destination) indices per chunk."""
+    def _chunks(self, peer: Peer, req: PushRequest
+                ) -> tuple[list[tuple[IndexArray, IndexArray]], PartLists | None]:
+        """Validate every id and part of a request; the (source, destination) indices per
+        chunk, and the part lists they index (None: the whole-block lists)."""
         if req.rid < 0 or req.rid >= 2**63:
             raise ValueError("bad request id")
         if not req.timeout > 0:  # also refuses NaN
@@ -359,10 +376,20 @@ class Pusher:
             raise ValueError(f"source block id out of range [0, {own_blocks})")
         if dst.size > 1 and np.unique(dst).size != dst.size:
             raise ValueError("destination names the same block more than once")
+        if req.dst_part is not None or req.src_part is not None:
+            # Our blocks are the source: our part is the "local" one of the pair.
+            parts = self._peers.part_lists(peer, _part(req.src_part), _part(req.dst_part))
+            per_chunk = max(1, self._config.push_chunk_bytes // parts.nbytes)
+            return [parts.indices(src[i:i + per_chunk], dst[i:i + per_chunk])
+                    for i in range(0, dst.size, per_chunk)], parts
+        if peer._unequal:
+            raise ValueError(f"whole blocks cannot be pushed: block sizes differ (ours "
+                             f"{[r.block_bytes for r in self._local.regions]}, the reader's "
+                             f"{list(peer.bytes_per_block)})")
         per_chunk = max(1, self._config.push_chunk_bytes // self._local.bytes_per_block)
         return [(descriptor_indices(self._local.offsets, src[i:i + per_chunk]),
                  descriptor_indices(peer._offsets, dst[i:i + per_chunk]))
-                for i in range(0, dst.size, per_chunk)]
+                for i in range(0, dst.size, per_chunk)], None
 
     async def _push(self, job: _Job) -> None:
         """Write a job's chunks one at a time; confirm how it ended."""
@@ -377,10 +404,12 @@ class Pusher:
                     outcome = "cancelled"
                     break
                 last = n == len(job.chunks) - 1
+                parts = job.parts
                 try:
-                    handle, status = agent.start_xfer("write", self._local.dlist, src, peer._dlist,
-                                                      dst, PDONE + rid_bytes(rid) if last else b"",
-                                                      self._config.inline_polls)
+                    handle, status = agent.start_xfer(
+                        "write", self._local.dlist if parts is None else parts.local, src,
+                        peer._dlist if parts is None else parts.remote, dst,
+                        PDONE + rid_bytes(rid) if last else b"", self._config.inline_polls)
                 except PeerDisconnectedError as exc:
                     self._peers.evict(peer, exc)
                     return

@@ -262,6 +262,22 @@ def descriptor_indices(offsets: IndexArray, ids: IndexArray) -> IndexArray:
     return (offsets + ids).ravel()
 
 
+def paired_ids(local_blocks: object, remote_blocks: object, local_count: int, remote_count: int,
+               op: str) -> tuple[IndexArray, IndexArray]:
+    """A transfer's block ids, validated with clear errors: in range on each side, as many
+    on both, and no block of the destination (ours for a read) named twice."""
+    local_ids = block_ids(local_blocks, local_count, "local_blocks")
+    remote_ids = block_ids(remote_blocks, remote_count, "remote_blocks")
+    if local_ids.size != remote_ids.size:
+        raise ValueError(f"local_blocks has {local_ids.size} ids but remote_blocks has "
+                         f"{remote_ids.size}")
+    if op == "read":
+        check_distinct(local_ids, "local_blocks (the destination of a read)")
+    else:
+        check_distinct(remote_ids, "remote_blocks (the destination of a write)")
+    return local_ids, remote_ids
+
+
 def check_distinct(ids: IndexArray, what: str) -> None:
     """Refuse a destination that names one block twice: the result would be undefined."""
     if ids.size > 1 and np.unique(ids).size != ids.size:

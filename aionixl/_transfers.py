@@ -9,6 +9,9 @@ then chooses one path:
   peers where a one-sided GET is not native);
 - **ride** in a merged request when callers arrive together;
 - **post alone** (:mod:`aionixl._post`), polled inline, then by the poller.
+
+A call with ``local_part`` or ``remote_part``, or with a peer whose blocks differ in size
+from ours, branches off first to :mod:`aionixl._partial` (parts of blocks).
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ from ._config import EngineConfig
 from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices
+from ._partial import PartPath
+from ._parts import BlockPart
 from ._peer import Peer
 from ._peers import PeerTable
 from ._post import DirectPath, LoopTurns
 from ._push import Pusher
 from ._regions import (
     IndexArray,
-    block_ids,
-    check_distinct,
     descriptor_indices,
     has_duplicates,
+    paired_ids,
     plain_ids,
     plain_int,
     small_indices,
@@ -69,11 +73,14 @@ class Transfers:
         self._num_blocks = local.num_blocks
         self._offset_list = local.offset_list
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+        #: Parts of blocks: a component of its own, built here from the same components.
+        self._parts = PartPath(local, peers, coalescer, direct, push, metrics)
 
     async def transfer_blocks(self, peer: Peer, local_blocks: Sequence[int] | IndexArray,
                               remote_blocks: Sequence[int] | IndexArray, op: Op = "read",
-                              notify: bytes | None = None,
-                              timeout: float | None = None) -> TransferResult:
+                              notify: bytes | None = None, timeout: float | None = None, *,
+                              local_part: BlockPart | None = None,
+                              remote_part: BlockPart | None = None) -> TransferResult:
         """See :meth:`Engine.transfer_blocks`."""
         if not self._life.usable:
             self._life.check_open()
@@ -81,6 +88,9 @@ class Transfers:
             await self._revive(peer, timeout)
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
+        if local_part is not None or remote_part is not None or peer._unequal:
+            return await self._parts.transfer(peer, local_blocks, remote_blocks, op, notify, timeout,
+                                              local_part, remote_part)
         one = self._one_block_indices(peer, local_blocks, remote_blocks)
         if one is None:  # a tuple, a range, numpy ids...: the lists they stand for, if cheap
             local_blocks, remote_blocks = _as_lists(local_blocks, remote_blocks)
@@ -176,15 +186,8 @@ class Transfers:
                     and len(local_blocks) == len(remote_blocks) \
                     and not has_duplicates(local_blocks if op == "read" else remote_blocks):
                 return len(local_blocks), local_idx, remote_idx
-        local_ids = block_ids(local_blocks, self._num_blocks, "local_blocks")
-        remote_ids = block_ids(remote_blocks, peer.num_blocks, "remote_blocks")
-        if local_ids.size != remote_ids.size:
-            raise ValueError(f"local_blocks has {local_ids.size} ids but remote_blocks has "
-                             f"{remote_ids.size}")
-        if op == "read":
-            check_distinct(local_ids, "local_blocks (the destination of a read)")
-        else:
-            check_distinct(remote_ids, "remote_blocks (the destination of a write)")
+        local_ids, remote_ids = paired_ids(local_blocks, remote_blocks, self._num_blocks,
+                                           peer.num_blocks, op)
         return (int(local_ids.size), descriptor_indices(self._local.offsets, local_ids),
                 descriptor_indices(peer._offsets, remote_ids))
 

@@ -17,6 +17,7 @@ import zmq
 
 from . import _protocol as proto
 from . import _zmq
+from ._config import EngineConfig
 from ._errors import HandshakeError, IncompatiblePeerError
 from ._lifecycle import Lifecycle, LocalSide
 from ._nixl import metadata_agent_name
@@ -76,41 +77,49 @@ async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,
 class VllmConnector:
     """Connects one engine to vLLM prefill workers (see :meth:`Engine.connect_vllm`)."""
 
-    def __init__(self, local: LocalSide, life: Lifecycle, peers: PeerTable) -> None:
+    def __init__(self, local: LocalSide, life: Lifecycle, peers: PeerTable, config: EngineConfig) -> None:
         self._local = local
         self._life = life
         self._peers = peers
+        #: EngineConfig.require_equal_geometry: refuse a prefill whose block sizes differ.
+        self._equal_geometry = config.require_equal_geometry
+        #: (endpoint, pp_rank, tp_rank) -> the peer admitted for it and vLLM's compat hash:
+        #: one side channel serves several ranks, each its own agent.
+        self._admitted: dict[tuple[str, int, int], tuple[Peer, str]] = {}
 
     async def connect(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                       expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
         """Handshake with a vLLM NixlConnector prefill and admit its agent as a peer.
 
-        Idempotent for a live peer at the same address. ``IncompatiblePeerError`` (``.field``
-        says what) when the region count or bytes per block differ from the engine's, when
-        vLLM's layout has no one-id-per-block form, or when ``expect_compat_hash`` is given
-        and differs from vLLM's compatibility hash; ``HandshakeError`` for no answer or a bad
-        reply.
+        Idempotent for a live peer at the same address and rank (``expect_compat_hash`` is
+        checked then too, against the hash its handshake gave). ``IncompatiblePeerError`` (``.field``
+        says what) when the region count differs from the engine's (or the bytes per block,
+        with ``EngineConfig.require_equal_geometry``), when vLLM's layout has no
+        one-id-per-block form, or when ``expect_compat_hash`` is given and differs from
+        vLLM's compatibility hash; ``HandshakeError`` for no answer or a bad reply. A
+        prefill whose blocks differ in size (another TP, another block size) is admitted:
+        parts of blocks move between the two (``aionixl.BlockPart``).
         """
         self._life.check_open()
         endpoint = _endpoint(address)
-        for peer in list(self._peers.by_name.values()):
-            if peer.address == endpoint and peer.connected:
-                await anyio.lowlevel.checkpoint()
-                return peer
+        key = (endpoint, pp_rank, tp_rank)
+        known = self._admitted.get(key)
+        if known is not None and known[0].connected:
+            peer, compat_hash = known
+            _check_hash(f"vLLM peer {peer.name!r} at {endpoint}", compat_hash, expect_compat_hash)
+            await anyio.lowlevel.checkpoint()
+            return peer
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError("timeout must be a number > 0")
         deadline = time.monotonic() + timeout
         reply = await fetch_metadata(endpoint, pp_rank=pp_rank, tp_rank=tp_rank, timeout=timeout)
         md = reply.metadata
         where = f"vLLM engine {md.engine_id!r} at {endpoint}"
-        if expect_compat_hash is not None and reply.compatibility_hash != expect_compat_hash:
-            raise IncompatiblePeerError(
-                f"{where}: compatibility hash {reply.compatibility_hash[:16]}... is not the expected "
-                f"{expect_compat_hash[:16]}...", field="compat_hash")
+        _check_hash(where, reply.compatibility_hash, expect_compat_hash)
         ours = self._local.regions
         try:
             theirs = regions(md, ours[0].mem_type)
-            check_geometry(ours, theirs)
+            check_geometry(ours, theirs, equal_geometry=self._equal_geometry)
         except Incompatible as exc:
             raise IncompatiblePeerError(f"{where}: {exc}", field=exc.field) from None
         except VllmWireError as exc:
@@ -125,5 +134,13 @@ class VllmConnector:
             peer = self._peers.admit_foreign(name, md.agent_metadata, theirs, endpoint)
         except proto.ProtocolError as exc:
             raise HandshakeError(f"unusable peer metadata from {endpoint}: {exc}") from exc
+        self._admitted = {k: v for k, v in self._admitted.items() if v[0].connected}
+        self._admitted[key] = (peer, reply.compatibility_hash)
         await anyio.lowlevel.checkpoint()
         return peer
+
+
+def _check_hash(where: str, got: str, expected: str | None) -> None:
+    if expected is not None and got != expected:
+        raise IncompatiblePeerError(f"{where}: compatibility hash {got[:16]}... is not the expected "
+                                    f"{expected[:16]}...", field="compat_hash")

@@ -168,9 +168,12 @@ def regions(md: VllmAgentMetadata, default_mem_type: str) -> list[proto.RegionIn
     return out
 
 
-def check_geometry(ours: Sequence[Region], theirs: Sequence[proto.RegionInfo]) -> None:
-    """Region count and bytes per block must match; ``proto.Incompatible`` names the field."""
-    proto.check_compatible(ours, {}, theirs, {})
+def check_geometry(ours: Sequence[Region], theirs: Sequence[proto.RegionInfo], *,
+                   equal_geometry: bool = False) -> None:
+    """The region count must match, and with ``equal_geometry`` the bytes per block of each
+    region (a prefill at another TP or block size has other block sizes; parts of blocks
+    move between such engines); ``proto.Incompatible`` names the field."""
+    proto.check_compatible(ours, {}, theirs, {}, equal_geometry=equal_geometry)
 
 
 def read_notification(request_id: str, consumers: int = 1) -> bytes:

@@ -33,9 +33,14 @@ TAGGED = RESERVED + b"tagged\x00"
 #: The feature a peer announces in its handshake when it serves push requests.
 PUSH_FEATURE = "push-read"
 
+#: The feature a peer announces when it serves push requests for parts of blocks
+#: (``PushRequest.dst_part``/``src_part``). An engine without it would ignore those fields
+#: and push whole blocks, so such reads are never sent to it.
+PARTS_FEATURE = "push-parts"
+
 #: Features this engine speaks, announced in the handshake. A peer uses one only when the
 #: other side announced it too.
-FEATURES: frozenset[str] = frozenset({MULTI_NOTIFY, PUSH_FEATURE, TAGGED_NOTIFY})
+FEATURES: frozenset[str] = frozenset({MULTI_NOTIFY, PUSH_FEATURE, TAGGED_NOTIFY, PARTS_FEATURE})
 
 # ---- push reads: reader -> server PUSH and PCANCEL; server -> reader PDONE, PERR, PGONE ----
 
@@ -57,6 +62,10 @@ class PushRequest(msgspec.Struct, frozen=True, array_like=True):
     src: bytes  # the server's source block ids
     timeout: float  # the reader's deadline for the whole read, in seconds
     notify: bytes = b""  # delivered to the server's mailbox once the data landed
+    #: Parts of blocks, as ``BlockPart`` (index, count, groups); None for whole blocks.
+    #: Absent from the requests of engines before ``PARTS_FEATURE`` (whole blocks).
+    dst_part: tuple[int, int, int] | None = None  # of the reader's blocks
+    src_part: tuple[int, int, int] | None = None  # of the server's blocks
 
 
 class PushError(msgspec.Struct, frozen=True, array_like=True):

@@ -299,19 +299,27 @@ async def test_connect_is_idempotent_and_concurrent_connects_share_a_peer() -> N
         assert src.live_resources()["remote_agents"] == 1
 
 
+_EQUAL = aionixl.EngineConfig(require_equal_geometry=True)
+
+
 @pytest.mark.parametrize(
-    ("src_cache", "dst_cache", "field"),
+    ("src_cache", "dst_cache", "src_config", "dst_config", "field"),
     [
-        (numpy_cache(4, 64, 2), numpy_cache(4, 64, 3), "region_count"),
+        (numpy_cache(4, 64, 2), numpy_cache(4, 64, 3), None, None, "region_count"),
         (numpy_cache(4, 64, 2), [np.zeros((4, 64), np.uint8), np.zeros((4, 128), np.uint8)],
-         "bytes_per_block[1]"),
+         None, _EQUAL, "bytes_per_block[1]"),
+        (numpy_cache(4, 64, 2), [np.zeros((4, 64), np.uint8), np.zeros((4, 128), np.uint8)],
+         _EQUAL, None, "bytes_per_block[1]"),
     ],
-    ids=["region-count", "block-size"],
+    ids=["region-count", "block-size-required-by-connector", "block-size-required-by-listener"],
 )
-async def test_geometry_mismatch_is_refused_at_connect(src_cache: list[Any], dst_cache: list[Any],
-                                                       field: str) -> None:
-    async with aionixl.Engine(unique("src"), src_cache) as src, \
-            aionixl.Engine(unique("dst"), dst_cache, listen=None) as dst:
+async def test_geometry_mismatch_is_refused_at_connect(
+        src_cache: list[Any], dst_cache: list[Any], src_config: aionixl.EngineConfig | None,
+        dst_config: aionixl.EngineConfig | None, field: str) -> None:
+    """Region counts must match; bytes per block only where an engine requires equal
+    geometry (other sizes are admitted by default: tests/test_parts.py)."""
+    async with aionixl.Engine(unique("src"), src_cache, config=src_config) as src, \
+            aionixl.Engine(unique("dst"), dst_cache, listen=None, config=dst_config) as dst:
         assert src.address is not None
         with pytest.raises(aionixl.IncompatiblePeerError) as info:
             await dst.connect(src.address, timeout=10)
@@ -591,9 +599,9 @@ async def test_connect_retries_reach_a_peer_that_restarted_mid_handshake(retries
 async def test_connect_retries_stop_at_refusals_that_cannot_change() -> None:
     config = aionixl.EngineConfig(connect_retries=5, connect_backoff=0.05)
     async with aionixl.Engine(unique("src"), numpy_cache(4, 256, 1)) as src, \
-            aionixl.Engine(unique("dst"), numpy_cache(4, 512, 1), listen=None, config=config) as dst:
+            aionixl.Engine(unique("dst"), numpy_cache(4, 256, 2), listen=None, config=config) as dst:
         assert src.address is not None
-        with pytest.raises(aionixl.IncompatiblePeerError):
+        with pytest.raises(aionixl.IncompatiblePeerError):  # another region count
             await dst.connect(src.address, timeout=10)
         assert src.stats()["handshakes_rejected"] == 1  # asked once, not six times
 

@@ -119,9 +119,10 @@ async def test_a_lone_get_whose_fence_times_out_evicts_the_peer(monkeypatch: pyt
             fenced: list[int] = []
             real_fence = eng._direct.fence
 
-            async def fence(peer: aionixl.Peer, local_idx: Indices, remote_idx: Indices) -> None:
+            async def fence(peer: aionixl.Peer, local_idx: Indices, remote_idx: Indices,
+                            parts: Any = None) -> None:
                 fenced.append(len(eng._inflight.records))
-                await real_fence(peer, local_idx, remote_idx)
+                await real_fence(peer, local_idx, remote_idx, parts)
 
             eng._direct.fence = fence  # type: ignore[method-assign]
             start = time.perf_counter()  # the engine's clock (uvloop's moves in whole ms)

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "aionixl"
 #: Bottom first. A module may import modules of strictly lower layers only.
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"_errors", "_config", "_ratelimit", "_checks", "_lines", "_parking", "_zmq",
-                    "_regions", "_notifications", "_results"}),
+                    "_regions", "_notifications", "_results", "_parts"}),
     ("wire", {"_protocol", "_wire", "_nixl", "_metrics"}),
     ("wire above the handshake's", {"_vllm_wire", "_hostfacts"}),
     ("shared state: lifecycle and local side, leases", {"_lifecycle", "_peer", "_leases"}),
@@ -26,9 +26,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("components: the direct path and its fence", {"_post"}),
     ("components: coalescing, push, handshakes, vLLM client and server",
      {"_coalesce", "_push", "_handshake", "_vllm_connect", "_vllm_serve"}),
+    ("components: parts of blocks", {"_partial"}),
     ("components: the transfer call, the drainer", {"_transfers", "_drainer"}),
     ("facade", {"_engine"}),
-    ("public surface", {"__init__", "vllm", "prometheus"}),
+    ("public surface", {"__init__", "vllm", "prometheus", "layouts"}),
     ("add-ons", {"_demo", "_bench", "testing"}),
     ("command line", {"_cli"}),
     ("python -m aionixl", {"__main__"}),

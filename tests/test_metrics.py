@@ -282,8 +282,8 @@ async def test_notifications_delivered_and_dropped_and_handshakes_rejected() -> 
             await src.wait_notification(b"a", timeout=0.05)  # the oldest one was dropped
         m = src.metrics()
         assert (m.notifications_delivered, m.notifications_dropped, m.notifications_kept) == (2, 1, 0)
-        # An engine of another geometry is refused by the listener.
-        async with aionixl.Engine(unique("odd"), numpy_cache(4, 1024, 1), listen=None) as odd:
+        # An engine of another geometry (region count) is refused by the listener.
+        async with aionixl.Engine(unique("odd"), numpy_cache(4, 4096, 2), listen=None) as odd:
             with pytest.raises(aionixl.IncompatiblePeerError):
                 await odd.connect(src.address or "", timeout=10)
         m = src.metrics()

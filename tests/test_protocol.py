@@ -79,8 +79,9 @@ def test_compatibility_names_the_first_difference() -> None:
         proto.check_compatible(REGIONS[:1], {}, theirs, {})
     assert info.value.field == "region_count"
     other = [theirs[0], proto.RegionInfo(0x9000, 200, 100, 9, "VRAM", 1)]
+    proto.check_compatible(REGIONS, {}, other, {})  # other block sizes: parts of blocks move
     with pytest.raises(proto.Incompatible) as info:
-        proto.check_compatible(REGIONS, {}, other, {})
+        proto.check_compatible(REGIONS, {}, other, {}, equal_geometry=True)
     assert info.value.field == "bytes_per_block[1]"
     with pytest.raises(proto.Incompatible) as info:
         proto.check_compatible(REGIONS, {"dtype": "bf16"}, theirs, {})

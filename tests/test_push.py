@@ -182,9 +182,10 @@ async def test_no_late_bytes_after_a_cancelled_or_timed_out_get_over_shared_memo
         fenced: list[str] = []
         real_fence = eng._direct.fence
 
-        async def fence(peer: aionixl.Peer, local_idx: _nixl.Indices, remote_idx: _nixl.Indices) -> None:
+        async def fence(peer: aionixl.Peer, local_idx: _nixl.Indices, remote_idx: _nixl.Indices,
+                        parts: Any = None) -> None:
             fenced.append(leave)
-            await real_fence(peer, local_idx, remote_idx)
+            await real_fence(peer, local_idx, remote_idx, parts)
 
         eng._direct.fence = fence  # type: ignore[method-assign]
         outcomes: list[str] = []

@@ -152,3 +152,38 @@ def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:
                              ("r", [1], {"host": ""}), ("r", [1], {"engine_id": ""})):
         with pytest.raises(ValueError):
             aionixl.vllm.transfer_params(rid, ids, **{**base, **change})  # type: ignore[arg-type]
+
+
+async def test_connect_vllm_reuses_a_peer_only_for_its_rank_and_checks_the_hash_again() -> None:
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill, \
+            aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
+        address = await prefill.serve_vllm(**SERVE)
+        peer = await decode.connect_vllm(address, timeout=10)
+        assert await decode.connect_vllm(address, expect_compat_hash=SERVE["compat_hash"]) is peer
+        with pytest.raises(aionixl.IncompatiblePeerError) as info:
+            await decode.connect_vllm(address, expect_compat_hash="0" * 48)  # the live peer's hash
+        assert info.value.field == "compat_hash"
+        with pytest.raises(aionixl.HandshakeError, match="refused"):
+            await decode.connect_vllm(address, tp_rank=1, timeout=10)  # another rank: asked again
+        assert prefill.stats()["vllm_requests_answered"] == 1
+
+
+async def test_a_prefill_with_other_block_sizes_is_admitted_unless_equal_geometry_is_required() -> None:
+    half = numpy_cache(BLOCKS, BLOCK_BYTES // 2, REGIONS)
+    whole = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=4)
+    async with aionixl.Engine("p", whole, listen=None) as prefill:
+        address = await prefill.serve_vllm(**SERVE)
+        async with aionixl.Engine("d", half, listen=None) as decode:
+            peer = await decode.connect_vllm(address, timeout=10)
+            assert peer.bytes_per_block == (BLOCK_BYTES,) * REGIONS
+            with pytest.raises(ValueError, match="region 0"):
+                await decode.transfer_blocks(peer, [0], [0])  # whole blocks of other sizes
+            await decode.transfer_blocks(peer, [0], [9], remote_part=aionixl.BlockPart(1, 2))
+            # The second half of the prefill's block 9 fills our block 0, in every region.
+            assert all(np.array_equal(h[0], w[9, BLOCK_BYTES // 2:])
+                       for h, w in zip(half, whole, strict=True))
+        strict = aionixl.EngineConfig(require_equal_geometry=True)
+        async with aionixl.Engine("d2", half, listen=None, config=strict) as decode:
+            with pytest.raises(aionixl.IncompatiblePeerError) as info:
+                await decode.connect_vllm(address, timeout=10)
+            assert info.value.field == "bytes_per_block[0]"

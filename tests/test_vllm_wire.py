@@ -101,8 +101,10 @@ def test_geometry_mismatch_names_the_field() -> None:
     with pytest.raises(proto.Incompatible) as info:
         wire.check_geometry(ours(3), regions)
     assert info.value.field == "region_count"
+    other_sizes = [ours()[0], ours(1, PAGE // 2)[0]]
+    wire.check_geometry(other_sizes, regions)  # another TP or block size: parts of blocks move
     with pytest.raises(proto.Incompatible) as info:
-        wire.check_geometry([ours()[0], ours(1, PAGE // 2)[0]], regions)
+        wire.check_geometry(other_sizes, regions, equal_geometry=True)
     assert info.value.field == "bytes_per_block[1]"
 
 

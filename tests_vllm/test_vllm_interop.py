@@ -153,3 +153,35 @@ async def test_prefill_killed_mid_read_raises_peer_disconnected(anyio_backend: s
         assert all(v == 0 for v in engine.live_resources().values())
     finally:
         worker.stop()
+
+
+async def test_two_decode_ranks_at_tp2_each_read_their_half_of_the_heads_from_a_tp1_prefill(
+        prefill: VllmPrefill, anyio_backend: str) -> None:
+    """vLLM's LBHNC page is head-major ([heads, tokens, K/V x dim]), so a decode rank at
+    twice the prefill's TP reads one contiguous half of every page: what
+    ``aionixl.layouts.tp_reads`` says, moved with ``remote_part``."""
+    from aionixl._bench._memory import expected_words
+    from aionixl.layouts import tp_reads
+
+    req = unique("tp2")
+    prefill.hold(req, lease_s=60)
+    remote, local = [3, 8, 40, 63], [0, 1, 2, 3]
+    halves = [decode_cache(page=PAGE // 2), decode_cache(page=PAGE // 2)]
+    async with aionixl.Engine(unique("dec-r0"), halves[0], listen=None) as rank0, \
+            aionixl.Engine(unique("dec-r1"), halves[1], listen=None) as rank1:
+        for rank, engine in enumerate((rank0, rank1)):
+            peer = await engine.connect_vllm(prefill.address, timeout=30)
+            assert peer.bytes_per_block == (PAGE,) * LAYERS  # admitted with its larger pages
+            [read] = tp_reads(1, 2, rank, kv_heads=4, layout="HND")
+            assert read.remote_rank == 0 and read.local_part is None
+            await engine.transfer_blocks(peer, local, remote, remote_part=read.remote_part,
+                                         notify=aionixl.vllm.read_notification(req, consumers=2))
+    words = PAGE // 8
+    for rank, cache in enumerate(halves):
+        for layer in range(LAYERS):
+            want = expected_words(layer, np.asarray(remote, dtype=np.int64), words)
+            got = cache[layer].view(np.uint64)[local]
+            np.testing.assert_array_equal(got, want[:, rank * words // 2:(rank + 1) * words // 2])
+    freed = await prefill.until(lambda e: e.get("event") == "freed" and e["req"] == req, 30)
+    assert freed["reason"] == "notified"  # after both ranks' notifications
+    assert sum(e.get("event") == "notif" and e["msg"] == f"{req}:2" for e in prefill.events) == 2
