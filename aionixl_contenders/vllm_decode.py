@@ -144,10 +144,15 @@ class Decode:
         return {"target": self.remote}
 
     def cmd_post(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Post one read and return at once (what is under way when this process is killed)."""
+        """Post one read, then run engine steps for ``spin_s`` seconds or until it is done
+        (what is under way, and progressing, when this process is killed)."""
         self.post(self.worker, cmd["req"], list(cmd["local"]), list(cmd["remote"]), cmd.get("tp_size", 1))
-        inner = self._inner()
-        return {"posted": cmd["req"], "in_flight": sum(len(h) for h in inner._recving_transfers.values())}
+        key, done = f"d-{cmd['req']}", False
+        deadline = time.perf_counter() + float(cmd.get("spin_s", 0.0))
+        while not done and time.perf_counter() < deadline:
+            done = key in self.worker.get_transfer_results(set()).finished_recving
+            self._step(self.worker)
+        return {"posted": cmd["req"], "done": done}
 
     def cmd_heartbeat(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """One engine step whose scheduler metadata asks for heartbeats of ``reqs`` (vLLM's

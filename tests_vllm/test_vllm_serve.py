@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +24,9 @@ import pytest
 
 import aionixl
 import aionixl.vllm
+from aionixl._bench._child import module_command
 from aionixl._bench._memory import expected_words
+from aionixl._lines import LineReader, encode_line
 
 from .decode import VllmDecode
 
@@ -124,3 +130,97 @@ async def test_a_rank_not_served_is_refused_and_the_server_keeps_serving(decode:
         # The listener lives on: aionixl's own vLLM client reads through it.
         hs = await aionixl.vllm.fetch_metadata(address, tp_rank=1)
         assert hs.metadata.engine_id == engine_id
+
+
+class ServingPrefill:
+    """``tests_vllm.serving_prefill``: an aionixl prefill serving vLLM, in a child process."""
+
+    def __init__(self, env: dict[str, str], ready: dict[str, Any], layers: int, blocks: int,
+                 progress_thread: bool) -> None:
+        read_fd, write_fd = os.pipe()
+        args = ["--fd", str(write_fd), "--layers", str(layers), "--blocks", str(blocks),
+                "--page", str(ready["page_bytes"]), "--compat-hash", ready["compat_hash"],
+                "--block-size", str(ready["block_size"]), "--attn-backend", ready["attn_backend"]]
+        try:
+            argv, child_env = module_command("tests_vllm.serving_prefill", *args,
+                                             *(["--progress-thread"] if progress_thread else []), env=env)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         pass_fds=(write_fd,), env=child_env)
+        finally:
+            os.close(write_fd)
+        self._fd, self._reader = read_fd, LineReader()
+        self.ready = self.line(lambda m: "ready" in m, 60)["ready"]
+
+    def line(self, match: Any, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            while (msg := self._reader.pop()) is not None:
+                if match(msg):
+                    return msg
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self._fd], [], [], max(left, 0))
+            if not ready:
+                raise TimeoutError(f"no matching message from the prefill within {timeout} s")
+            chunk = os.read(self._fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the aionixl prefill exited (code {self.proc.wait()})")
+            self._reader.feed(chunk)
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(encode_line(cmd))
+        self.proc.stdin.flush()
+
+    def close(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        closed = self.line(lambda m: "closed" in m, 30)["closed"]
+        assert self.proc.wait(30) == 0
+        os.close(self._fd)
+        return dict(closed)
+
+
+def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() -> None:
+    """Over UCX TCP a READ is served by the target (the prefill sends the data back), and
+    UCX 1.23 aborts the target when that reply's send meets the reader's closed socket: a
+    race, likeliest with many small reads and a target that progresses now and then
+    (docs/vllm.md). The prefill runs as docs/vllm.md recommends there, with NIXL's
+    progress thread on; the decode is killed 0.15 s into a 128 MiB read it is polling.
+    (This pattern did not abort the prefill without the progress thread either, in 6 runs:
+    the test shows survival, not the race.)"""
+    env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    layers, blocks = LAYERS, 1024  # a 128 MiB read: ~0.2-0.5 s over loopback TCP
+    decode = VllmDecode(layers, blocks, env=env)
+    prefill: ServingPrefill | None = None
+    try:
+        anyio.run(decode.start)
+        prefill = ServingPrefill(env, decode.ready, layers, blocks, progress_thread=True)
+        host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
+        anyio.run(decode.ask, {"op": "target", "engine_id": prefill.ready["engine_id"], "host": host,
+                               "port": int(port)})
+        got = anyio.run(decode.ask, {"op": "verify", "req": "warm", "local": [0, 1], "remote": [7, 8]})
+        assert got == {"ok": True, "blocks": 2}  # handshake done, bytes exact over TCP
+        prefill.send({"op": "lease", "req": "doomed", "blocks": list(range(blocks)), "duration": 3.0})
+        prefill.line(lambda m: m.get("leased") == "doomed", 10)
+        assert decode.proc.stdin is not None
+        decode.proc.stdin.write(encode_line({"op": "post", "req": "doomed", "local": list(range(blocks)),
+                                             "remote": list(range(blocks)), "spin_s": 30}))
+        decode.proc.stdin.flush()
+        time.sleep(0.15)  # the read is under way, the decode polling it
+        decode.proc.kill()
+        assert decode.proc.wait(10) == -signal.SIGKILL
+        ended = prefill.line(lambda m: m.get("lease") == "doomed", 10)
+        assert ended["outcome"] == "expired"  # the read never completed: no notification came
+        prefill.send({"op": "stats"})
+        stats = prefill.line(lambda m: "stats" in m, 10)
+        assert stats["stats"]["vllm_requests_answered"] == 1
+        reply = anyio.run(aionixl.vllm.fetch_metadata, prefill.ready["address"])  # still serving
+        assert reply.metadata.engine_id == prefill.ready["engine_id"]
+        closed = prefill.close()
+        prefill = None
+        assert all(v == 0 for v in closed.values()), closed
+    finally:
+        decode.stop()
+        if prefill is not None:
+            prefill.proc.kill()
+            prefill.proc.wait()

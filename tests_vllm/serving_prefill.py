@@ -1,0 +1,94 @@
+"""An aionixl prefill serving vLLM decoders, in a child process of its own (the tests that
+kill its reader: if the prefill died, the test process must not die with it).
+
+    python -m tests_vllm.serving_prefill --fd FD --layers L --blocks B --page P \\
+        --compat-hash H --block-size S --attn-backend A [--progress-thread]
+
+Its blocks hold the pattern the vLLM decode checks (``expected_words``). Messages
+(:mod:`aionixl._lines`): ``ready`` on ``--fd``; commands on stdin, one per line:
+``{"op": "lease", "req": ID, "blocks": [...], "duration": S}`` (answered ``{"leased": ID}``,
+then ``{"lease": ID, "outcome": "released" | "expired" | ...}`` when it ends) and
+``{"op": "stats"}`` (``{"stats": ..., "resources": ...}``). End of stdin closes the engine
+and reports ``{"closed": live_resources}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+
+import aionixl
+from aionixl._bench._memory import expected_words
+from aionixl._lines import LineReader, write_file
+
+
+def cache(layers: int, blocks: int, page: int) -> list[np.ndarray]:
+    ids = np.arange(blocks, dtype=np.int64)
+    return [expected_words(layer, ids, page // 8).view(np.uint8).reshape(blocks, page).copy()
+            for layer in range(layers)]
+
+
+async def serve(args: argparse.Namespace) -> None:
+    out = os.fdopen(args.fd, "w")
+
+    def emit(obj: dict[str, Any]) -> None:
+        write_file(out, obj)
+
+    config = aionixl.EngineConfig(nixl_progress_thread=args.progress_thread)
+    engine_id = f"serving-prefill-{os.getpid()}"
+    async with aionixl.Engine(engine_id, cache(args.layers, args.blocks, args.page), listen=None,
+                              config=config) as engine, anyio.create_task_group() as tg:
+        address = await engine.serve_vllm("tcp://127.0.0.1:0", engine_id=engine_id,
+                                          compat_hash=args.compat_hash, block_size=args.block_size,
+                                          kv_cache_layout="LBHNC", attn_backend_name=args.attn_backend)
+        emit({"ready": {"pid": os.getpid(), "address": address, "engine_id": engine_id}})
+
+        async def watch(lease: aionixl.Lease) -> None:
+            try:
+                await lease.wait()
+                outcome = "released"
+            except aionixl.LeaseExpiredError:
+                outcome = "expired"
+            except aionixl.AionixlError as exc:
+                outcome = type(exc).__name__
+            emit({"lease": lease.request_id, "outcome": outcome})
+
+        reader = LineReader()
+        os.set_blocking(0, False)
+        while True:
+            await anyio.wait_readable(0)
+            chunk = os.read(0, 65536)
+            if not chunk:
+                break
+            reader.feed(chunk)
+            while (cmd := reader.pop()) is not None:
+                if cmd["op"] == "lease":
+                    lease = engine.lease(cmd["req"], cmd["blocks"], duration=float(cmd["duration"]))
+                    tg.start_soon(watch, lease)
+                    emit({"leased": cmd["req"]})
+                elif cmd["op"] == "stats":
+                    emit({"stats": engine.stats(), "resources": engine.live_resources()})
+        tg.cancel_scope.cancel()
+    emit({"closed": engine.live_resources()})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--blocks", type=int, required=True)
+    p.add_argument("--page", type=int, required=True)
+    p.add_argument("--compat-hash", required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--attn-backend", required=True)
+    p.add_argument("--progress-thread", action="store_true")
+    anyio.run(serve, p.parse_args())
+
+
+if __name__ == "__main__":
+    main()
