@@ -8,6 +8,9 @@ then poll all of them until every one is DONE, then release them. Index arrays a
 before the clock starts. One extra row, ``seq_1_raw``, runs the one-block loop on the bound
 ``nixlAgent`` itself (makeXferReq / postXferReq / getXferStatus / releaseXferReq), without
 the wrapper's per-call handle objects: that is what aionixl calls, so it is the true floor.
+The head-slice row, ``seq_1_part``, runs the sequential loop on descriptor lists this module
+prepares itself at part granularity (one descriptor per region per block part, part ``r`` of
+``spec.tp_ratio`` of each block: the descriptors aionixl's part transfers post).
 Run by ``aionixl bench``; ``run(ctx)`` returns samples per measure.
 """
 
@@ -18,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from aionixl._bench._memory import WRITE_SALT, block_descriptors, registration_spans
+from aionixl._bench._memory import WRITE_SALT, block_descriptors, part_descriptors, registration_spans
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -40,6 +43,8 @@ class BareNixl:
         self.unit = ctx.units[0]
         self.remote_name = ""
         self.remote: Any = None
+        #: Part index -> (local list, remote list) at part granularity, prepared on first use.
+        self._parts: dict[int, tuple[Any, Any]] = {}
         self._connect()
 
     def _connect(self) -> None:
@@ -51,6 +56,10 @@ class BareNixl:
         self.agent.make_connection(self.remote_name)
 
     def _disconnect(self) -> None:
+        for local, remote in self._parts.values():
+            remote.release()
+            local.release()
+        self._parts = {}
         self.remote.release()
         self.agent.remove_remote_agent(self.remote_name)
 
@@ -61,6 +70,51 @@ class BareNixl:
         t = time.perf_counter()
         self._connect()
         return time.perf_counter() - t
+
+    def part_lists(self, index: int) -> tuple[Any, Any]:
+        """(local, remote) descriptor lists of part ``index`` of ``spec.tp_ratio`` equal
+        parts of every block, indexed as the whole-block lists are (``r * blocks + b``)."""
+        lists = self._parts.get(index)
+        if lists is None:
+            count = self.ctx.spec.tp_ratio
+            layout = self.memory.layout()
+            local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", part_descriptors(layout, index, count),
+                                               layout["mem_type"])
+            remote_layout = self.ctx.remote_layout
+            remote = self.agent.prep_xfer_dlist(self.remote_name,
+                                                part_descriptors(remote_layout, index, count),
+                                                remote_layout["mem_type"])
+            lists = self._parts[index] = (local, remote)
+        return lists
+
+    def one_part(self, local_idx: np.ndarray, remote_idx: np.ndarray, index: int) -> None:
+        agent = self.agent
+        local, remote = self.part_lists(index)
+        handle = agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"bare NIXL part transfer failed: {state}")
+        agent.release_xfer_handle(handle)
+
+    def seq_parts(self, pairs: list[tuple[np.ndarray, np.ndarray, int]], n: int) -> float:
+        """As :meth:`seq`, each transfer moving the part its pair names (on that part's
+        lists): mean seconds per transfer."""
+        agent = self.agent
+        prepared = [(*self.part_lists(index), li, ri) for li, ri, index in pairs]
+        k = len(prepared)
+        t = time.perf_counter()
+        for i in range(n):
+            local, remote, li, ri = prepared[i % k]
+            handle = agent.make_prepped_xfer("READ", local, li, remote, ri)
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"bare NIXL part transfer failed: {state}")
+            agent.release_xfer_handle(handle)
+        return (time.perf_counter() - t) / n
 
     def one(self, local_idx: np.ndarray, remote_idx: np.ndarray, op: str = "READ") -> None:
         agent = self.agent
@@ -157,6 +211,23 @@ def _indexed(ctx: Any, pairs: list[tuple[Any, Any]]) -> list[tuple[np.ndarray, n
     return [(ctx.local_indices(l_ids), ctx.remote_indices(r_ids)) for l_ids, r_ids in pairs]
 
 
+def _indexed_parts(ctx: Any, pairs: list[tuple[Any, Any, int]]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    return [(ctx.local_indices(l_ids), ctx.remote_indices(r_ids), index) for l_ids, r_ids, index in pairs]
+
+
+def _verify_parts(ctx: Any, bare: BareNixl) -> int:
+    """Zero our cache, read the verify set's block parts (one transfer per part index), and
+    check that each part landed in its place and nothing else changed; raises on a mismatch,
+    else returns the block ids compared."""
+    ctx.clear_for_parts()
+    for li, ri, index in _indexed_parts(ctx, ctx.part_verify_calls):
+        bare.one_part(li, ri, index)
+    if not ctx.check_part_verify():
+        raise RuntimeError("bare NIXL: the block parts read are not where they belong (or other "
+                           "bytes changed)")
+    return int(ctx.verify_blocks)
+
+
 def _verify(ctx: Any, bare: BareNixl, memory: Any = None) -> int:
     """Read the verify set into cleared blocks of ``memory`` (ours by default) and compare
     its bytes with the prefill pattern; raises on a mismatch, else the block ids compared."""
@@ -185,6 +256,12 @@ def run(ctx: Any) -> dict[str, Any]:
         one = _indexed(ctx, ctx.workload("contiguous", 1))
         out["seq_1_raw"] = ctx.timed_repeats(
             "bare NIXL: 1-block reads on the raw bindings", lambda: bare.seq_raw(one, spec.seq[1]))
+        checked += _verify_parts(ctx, bare)  # also prepares the part lists
+        parts = _indexed_parts(ctx, ctx.part_workload())
+        out["seq_1_part"] = ctx.timed_repeats(
+            f"bare NIXL: 1-block reads of 1/{spec.tp_ratio} of a block (head slices)",
+            lambda: bare.seq_parts(parts, spec.seq[1]))
+        checked += _verify_parts(ctx, bare)
         if spec.with_vllm:
             out.update(ctx.latency_rows(ctx.timed_repeats(
                 "bare NIXL: one-block reads timed one by one", lambda: bare.latencies(one, spec.lat_count))))
@@ -271,10 +348,14 @@ class Reference:
         _verify(ctx, bare)
         one = _indexed(ctx, ctx.workload("contiguous", 1))
         in64 = _indexed(ctx, ctx.one_block_pairs(64))
+        parts = _indexed_parts(ctx, ctx.part_workload())
+        for index in range(spec.tp_ratio):
+            bare.part_lists(index)  # prepared before any timing
         n1 = spec.seq[1]
         self.pairs = {
             "seq_1": lambda: bare.seq(one, n1),
             "seq_1_raw": lambda: bare.seq_raw(one, n1),
+            "seq_1_part": lambda: bare.seq_parts(parts, n1),
             "inflight_64": lambda: bare.batched(in64),
         }
 

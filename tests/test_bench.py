@@ -25,6 +25,7 @@ import anyio
 import numpy as np
 import pytest
 
+import aionixl
 from aionixl._bench import UnverifiedError, mark_verified
 from aionixl._bench._context import Context, Progress
 from aionixl._bench._memory import WRITE_SALT, KVMemory
@@ -38,6 +39,7 @@ AIONIXL = {"asyncio", "trio"}
 EXPECTED: dict[str, set[str]] = {
     "seq_1": CONTENDERS, "seq_16": CONTENDERS, "seq_256": CONTENDERS,
     "seq_1_raw": {"bare"},
+    "seq_1_part": {"bare", "asyncio", "trio"},
     "seq_1_push": AIONIXL, "bulk_push": AIONIXL,
     "scattered_16": CONTENDERS, "scattered_256": CONTENDERS,
     "inflight_64": NIXL, "inflight_256": NIXL, "inflight_1024": NIXL,
@@ -127,7 +129,19 @@ def test_quick_run_writes_json_of_the_right_shape(quick_run: Any) -> None:
         assert min(report["info"][backend]["close_in_flight"]) > 0
         assert report["info"][backend]["close_resources_left"] == [0]
     assert "bytes verified for every contender" in proc.stdout
-    assert "compared with the expected pattern: bare NIXL 192," in proc.stdout
+    # bare NIXL: the verify set three times whole, twice as half-block parts (64 block ids each).
+    assert "compared with the expected pattern: bare NIXL 320," in proc.stdout
+    # The half-head slice row: a diagnostic, its ratio paired with bare NIXL's loop on its own
+    # part-granular descriptor lists, repeat by repeat.
+    part = next(t for t in report["targets"] if t["key"] == "seq_1_part_vs_bare")
+    assert part["headline"] is False and part["title"] == "1 block half-head slices / bare NIXL"
+    assert measures["seq_1_part"]["title"] == "1 block, half-head slices, seq."
+    for backend in AIONIXL:
+        assert part["results"][backend]["method"] == "paired", part
+        ratios = report["info"][backend]["paired"]["seq_1_part_vs_bare"]
+        assert len(ratios) == report["config"]["repeats"] and all(_finite(r) and r > 0 for r in ratios)
+    assert report["config"]["tp_ratio"] == 2
+    assert "1 block, half-head slices, seq." in proc.stdout
     # The table went to stdout.
     assert "Targets" in proc.stdout and "bare NIXL" in proc.stdout
     assert "Traceback" not in proc.stderr
@@ -391,3 +405,110 @@ def test_memcpy_host_device_rows_copy_a_new_pattern_and_check_it(host_ctx: Conte
     assert checked == 64 + 16
     every = list(range(spec.blocks))
     assert source.check(every, every)  # its pattern back for the bulk reference
+
+
+# ---- the half-head slice rows: part reads checked in place, nothing else changed ---------
+
+
+def test_part_check_sees_a_part_out_of_place_or_any_other_byte_changed() -> None:
+    from aionixl._bench._memory import expected_words
+
+    memory = KVMemory(2, 8, 64)
+    calls = [([1, 4], [6, 2], 0), ([5], [3], 1)]
+    words, half = 8, 4
+
+    def put(block: int, remote: int, index: int, region: int | None = None) -> None:
+        for r in range(2) if region is None else (region,):
+            lo = index * half
+            memory.regions[r].view(np.uint64)[block, lo:lo + half] = \
+                expected_words(r, np.array([remote]), words)[0, lo:lo + half]
+
+    def fill() -> None:
+        memory.clear_all()
+        for loc, rem, index in calls:
+            for b, rb in zip(loc, rem, strict=True):
+                put(b, rb, index)
+
+    fill()
+    assert memory.check_parts(calls, 2)
+    memory.clear_all()
+    assert not memory.check_parts(calls, 2)  # nothing read
+    fill()
+    put(5, 3, 0)  # the other half of block 5 written too (as a whole-block read would)
+    assert not memory.check_parts(calls, 2)
+    fill()
+    put(0, 6, 1, region=1)  # a block no call reads, one region
+    assert not memory.check_parts(calls, 2)
+    fill()
+    memory.regions[0][1, 0] ^= 1  # one byte of a part
+    assert not memory.check_parts(calls, 2)
+    memory.clear_all()
+    put(1, 6, 1)  # block 1's part landed in the wrong half
+    put(4, 2, 0)
+    put(5, 3, 1)
+    assert not memory.check_parts(calls, 2)
+
+
+def test_part_descriptors_cut_every_block_into_its_part() -> None:
+    from aionixl._bench._memory import block_descriptors, part_descriptors
+
+    memory = KVMemory(2, 4, 64)
+    layout = memory.layout()
+    whole = block_descriptors(layout)
+    for index in (0, 1):
+        rows = part_descriptors(layout, index, 2)
+        assert rows.shape == whole.shape  # one row per block and region, indexed alike
+        assert (rows[:, 0] == whole[:, 0] + index * 32).all() and (rows[:, 1] == 32).all()
+        assert (rows[:, 2] == whole[:, 2]).all()
+
+
+def test_part_verify_calls_take_turns_over_the_verify_set(host_ctx: Context) -> None:
+    calls = host_ctx.part_verify_calls
+    loc, rem = host_ctx.verify_set
+    assert [c[2] for c in calls] == [0, 1]
+    assert sorted(x for c in calls for x in c[0]) == sorted(int(x) for x in loc)
+    assert {(a, b) for c in calls for a, b in zip(c[0], c[1], strict=True)} == \
+        {(int(a), int(b)) for a, b in zip(loc, rem, strict=True)}
+    parts = host_ctx.part_workload()
+    assert [p[:2] for p in parts] == host_ctx.workload("contiguous", 1)
+    assert [p[2] for p in parts[:4]] == [0, 1, 0, 1]
+
+
+def test_part_reads_land_in_their_place_for_aionixl_and_bare_nixl(host_ctx: Context) -> None:
+    from aionixl._bench import _aionixl
+    from aionixl_contenders.bare_nixl import BareNixl, _verify_parts
+
+    async def aionixl_parts() -> int:
+        async with aionixl.Engine(host_ctx.unique("parts"), host_ctx.local.regions, listen=None) as eng:
+            peer = await eng.connect(host_ctx.units[0].address, timeout=30)
+            return await _aionixl._verify_parts(host_ctx, eng, peer, "test")
+
+    assert anyio.run(aionixl_parts) == 64
+    bare = BareNixl(host_ctx, host_ctx.unique("parts-bare"), host_ctx.local)
+    try:
+        assert _verify_parts(host_ctx, bare) == 64
+    finally:
+        bare.close()
+
+
+def test_part_reads_that_move_whole_blocks_fail_verification(
+        host_ctx: Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aionixl._bench import _aionixl
+    from aionixl._transfers import Transfers
+
+    real = Transfers.transfer_blocks
+
+    async def whole_blocks(self: Transfers, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("local_part", None)
+        kwargs.pop("remote_part", None)
+        return await real(self, *args, **kwargs)  # the right half, and the other one too
+
+    monkeypatch.setattr(Transfers, "transfer_blocks", whole_blocks)
+
+    async def aionixl_parts() -> int:
+        async with aionixl.Engine(host_ctx.unique("parts"), host_ctx.local.regions, listen=None) as eng:
+            peer = await eng.connect(host_ctx.units[0].address, timeout=30)
+            return await _aionixl._verify_parts(host_ctx, eng, peer, "test")
+
+    with pytest.raises(RuntimeError, match="block parts read are not where they belong"):
+        anyio.run(aionixl_parts)

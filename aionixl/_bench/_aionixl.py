@@ -22,6 +22,7 @@ import numpy as np
 from .._config import EngineConfig
 from .._engine import Engine, Peer
 from .._errors import EngineClosedError
+from .._parts import BlockPart
 from ._context import Context, Ids
 from ._memory import WRITE_SALT, KVMemory
 
@@ -38,6 +39,18 @@ async def _seq(eng: Engine, peer: Peer, pairs: list[tuple[Ids, Ids]], n: int, op
         for i in range(n):
             loc, rem = pairs[i % k]
             await transfer(peer, loc, rem, op="write")
+    return (time.perf_counter() - t) / n
+
+
+async def _seq_parts(eng: Engine, peer: Peer, pairs: list[tuple[Ids, Ids, BlockPart]], n: int) -> float:
+    """As :func:`_seq`, each read moving its pair's part of the remote block into the same
+    part of the local block."""
+    k = len(pairs)
+    transfer = eng.transfer_blocks
+    t = time.perf_counter()
+    for i in range(n):
+        loc, rem, part = pairs[i % k]
+        await transfer(peer, loc, rem, local_part=part, remote_part=part)
     return (time.perf_counter() - t) / n
 
 
@@ -112,6 +125,20 @@ async def _verify(ctx: Context, eng: Engine, peer: Peer, what: str, memory: KVMe
     await eng.transfer_blocks(peer, loc, rem)
     if not ctx.check_verify_set(memory):
         raise RuntimeError(f"aionixl ({what}): the bytes read do not match the prefill pattern")
+    return ctx.verify_blocks
+
+
+async def _verify_parts(ctx: Context, eng: Engine, peer: Peer, what: str) -> int:
+    """Zero our cache, read the verify set's block parts (one call per part index), and check
+    that each part landed in its place and nothing else changed; raises on a mismatch, else
+    returns the block ids compared."""
+    ctx.clear_for_parts()
+    for loc, rem, index in ctx.part_verify_calls:
+        part = BlockPart(index, ctx.spec.tp_ratio)
+        await eng.transfer_blocks(peer, loc, rem, local_part=part, remote_part=part)
+    if not ctx.check_part_verify():
+        raise RuntimeError(f"aionixl ({what}): the block parts read are not where they belong "
+                           "(or other bytes changed)")
     return ctx.verify_blocks
 
 
@@ -197,6 +224,17 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
                 out[f"seq_{nblocks}"] = mine
                 for k, vals in zip([k for k in ("seq_1", "seq_1_raw") if k in refs], theirs, strict=False):
                     paired[f"seq_1_vs_{'bare' if k == 'seq_1' else 'bare_raw'}"] = _ratios(mine, vals)
+            checked += await _verify_parts(ctx, eng, peer, "block parts, before")  # prepares them
+            parts = [(loc, rem, BlockPart(index, spec.tp_ratio)) for loc, rem, index in ctx.part_workload()]
+            others = [refs["seq_1_part"]] if "seq_1_part" in refs else []
+            ctx.progress(f"{label}: 1-block reads of 1/{spec.tp_ratio} of a block (head slices)"
+                         + (" (alternating with bare NIXL)" if others else ""))
+            mine, theirs = await _alternate(partial(_seq_parts, eng, peer, parts, spec.seq[1]), others,
+                                            spec.repeats)
+            out["seq_1_part"] = mine
+            if theirs:
+                paired["seq_1_part_vs_bare"] = _ratios(mine, theirs[0])
+            checked += await _verify_parts(ctx, eng, peer, "block parts, after")
             if spec.with_vllm:
                 pairs = ctx.workload("contiguous", 1)
                 ctx.progress(f"{label}: one-block reads timed one by one")

@@ -159,6 +159,33 @@ class Context:
             self._workloads[key] = pairs
         return self._workloads[key]
 
+    def part_workload(self) -> list[tuple[Ids, Ids, int]]:
+        """The one-block sequential pairs (``workload("contiguous", 1)``), each with the part
+        it moves: ``(local ids, remote ids, index)``, part ``index`` of ``spec.tp_ratio``
+        equal consecutive parts of the remote block into the same part of the local block
+        (the indices take turns, as decode ranks' head slices would)."""
+        ratio = self.spec.tp_ratio
+        return [(loc, rem, k % ratio) for k, (loc, rem) in enumerate(self.workload("contiguous", 1))]
+
+    @property
+    def part_verify_calls(self) -> list[tuple[list[int], list[int], int]]:
+        """The verify set as part reads, one call per part index: block pair ``i`` moves part
+        ``i % spec.tp_ratio``. Check with :meth:`clear_for_parts` before and
+        :meth:`check_part_verify` after."""
+        ratio = self.spec.tp_ratio
+        loc, rem = ([int(x) for x in ids] for ids in self.verify_set)
+        return [(loc[i::ratio], rem[i::ratio], i) for i in range(ratio) if loc[i::ratio]]
+
+    def clear_for_parts(self) -> None:
+        """Zero our whole cache, so that a part check sees any byte written out of place."""
+        self.local.clear_all()
+
+    def check_part_verify(self) -> bool:
+        """Whether our cache holds exactly what :attr:`part_verify_calls` read: each part in
+        its place, every other byte still zero. A pass compares :attr:`verify_blocks` block
+        ids in full (the part read and the rest of the block), and every other block."""
+        return self.local.check_parts(self.part_verify_calls, self.spec.tp_ratio)
+
     def one_block_pairs(self, count: int) -> list[tuple[list[int], list[int]]]:
         """``count`` one-block transfers with distinct local blocks (for in-flight runs)."""
         b = self.spec.blocks

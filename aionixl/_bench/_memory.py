@@ -8,7 +8,9 @@ shape that the prefill side never holds on its own (:data:`WRITE_SALT`): the hos
 write it there and read it back, so a write that moved nothing fails the check as well.
 
 Nothing here calls NIXL; the bare-NIXL and threaded contenders get plain descriptor arrays
-from :func:`block_descriptors` and :func:`registration_spans`.
+from :func:`block_descriptors` and :func:`registration_spans` (and, for the half-head slice
+rows, :func:`part_descriptors`). :meth:`KVMemory.check_parts` checks part reads against the
+whole cache: each part in its place, every other byte still zero.
 """
 
 from __future__ import annotations
@@ -142,6 +144,37 @@ class KVMemory:
                 return False
         return True
 
+    def clear_all(self) -> None:
+        """Zero every block of every region (before a check of the whole cache)."""
+        for region in self.regions:
+            if self.device == "cpu":
+                region.fill(0)
+            else:
+                region.zero_()
+        self.sync()
+
+    def check_parts(self, calls: Sequence[tuple[Sequence[int], Sequence[int], int]], count: int) -> bool:
+        """After :meth:`clear_all` and the part reads ``calls`` ((local ids, remote ids,
+        index): part ``index`` of ``count`` equal consecutive parts of each remote block read
+        into the same part of the local block): True when every region holds exactly that,
+        part ``index`` of each local block the prefill pattern of its remote block's part
+        ``index``, and every other byte of the whole cache still zero (the rest of those
+        blocks, every other block)."""
+        words = self.block_bytes // 8
+        size = words // count
+        self.sync()
+        for r, region in enumerate(self.regions):
+            want = np.zeros((self.num_blocks, words), dtype=np.uint64)
+            for loc, rem, index in calls:
+                lo = index * size
+                pattern = expected_words(r, np.asarray(rem, dtype=np.int64), words)
+                want[np.asarray(loc, dtype=np.int64), lo:lo + size] = pattern[:, lo:lo + size]
+            got = region.view(np.uint64) if self.device == "cpu" else \
+                region.cpu().numpy().view(np.uint64)
+            if not np.array_equal(got, want):
+                return False
+        return True
+
     def fill_expected(self, local_ids: Sequence[int], remote_ids: Sequence[int], salt: int = 0) -> None:
         """Put the prefill pattern of ``remote_ids`` (with ``salt``: that variant of it) into
         our ``local_ids``: what a write from these blocks must leave on the prefill side."""
@@ -169,6 +202,17 @@ def block_descriptors(layout: dict[str, Any]) -> U64:
         d[:, 2] = layout["device"]
         rows.append(d)
     return np.concatenate(rows)
+
+
+def part_descriptors(layout: dict[str, Any], index: int, count: int) -> U64:
+    """As :func:`block_descriptors`, for part ``index`` of ``count`` equal consecutive parts
+    of each block: one (address, length, device) row per block and region, region-major
+    (row ``r * blocks + b``), so :func:`descriptor_indices` indexes it as it does whole blocks."""
+    part = int(layout["block_bytes"]) // count
+    rows = block_descriptors(layout)
+    rows[:, 0] += np.uint64(index * part)
+    rows[:, 1] = part
+    return rows
 
 
 def registration_spans(layout: dict[str, Any]) -> U64:

@@ -42,6 +42,10 @@ class Spec(KVShape):
     #: Sizes also measured with scattered (random, distinct) block ids.
     scattered: tuple[int, ...] = (16, 256)
     inflight: tuple[int, ...] = (64, 256, 1024)
+    #: The head-slice rows (``seq_1_part``): each read moves part ``r`` of ``tp_ratio``
+    #: equal parts of one block id (a decode rank's heads at that TP ratio), ``spec.seq[1]``
+    #: reads per repeat.
+    tp_ratio: int = 2
     bulk_bytes: int = 16 * MiB
     bulk_count: int = 20
     connect_count: int = 20
@@ -91,6 +95,9 @@ class Spec(KVShape):
         out = []
         if self.layers < 1 or self.blocks < 1 or self.block_bytes < 8 or self.block_bytes % 8:
             out.append("--layers and --blocks must be >= 1, --block-bytes a multiple of 8")
+        if self.tp_ratio < 1 or self.block_bytes % (8 * self.tp_ratio):
+            out.append(f"--block-bytes must be a multiple of {8 * max(1, self.tp_ratio)} "
+                       f"(the head-slice rows read 1/{self.tp_ratio} of a block)")
         need = max([*self.seq, *self.scattered, *self.inflight, self.bulk_blocks, self.close_blocks,
                     self.lag_workers])
         if self.blocks < need:
