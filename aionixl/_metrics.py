@@ -78,7 +78,8 @@ class _Counters:
 
     def fold(self, rings: Sequence[list[float]], bytes_per_block: int) -> None:
         """Count the finished transfers kept in ``rings`` (reads, writes: blocks, seconds,
-        post seconds each; reads and writes of one block: seconds, post seconds each)."""
+        post seconds each; reads and writes of one block: seconds, post seconds each; reads
+        and writes of block parts: bytes, seconds, post seconds each)."""
         for w in (0, 1):
             if ring := rings[w]:
                 table = np.array(ring, np.float64).reshape(-1, 3)
@@ -87,6 +88,10 @@ class _Counters:
             if ring := rings[2 + w]:
                 table = np.array(ring, np.float64).reshape(-1, 2)
                 self._fold(w, len(table), len(table) * bytes_per_block, table[:, 0], table[:, 1])
+            if ring := rings[4 + w]:
+                table = np.array(ring, np.float64).reshape(-1, 3)
+                # Summed as the ints they are: exact however many bytes.
+                self._fold(w, len(table), int(sum(ring[0::3])), table[:, 1], table[:, 2])
 
     def _fold(self, w: int, transfers: int, nbytes: int, seconds: npt.NDArray[np.float64],
               post: npt.NDArray[np.float64]) -> None:
@@ -109,15 +114,16 @@ class TransferMetrics(_Counters, Generic[Result]):
     attributes) that builds the ``TransferResult`` and keeps its numbers in its op's list
     (a ring); every :data:`_RING` transfers of an op, ``flush`` folds the rings into the
     counters with numpy. Per transfer that is one append, not a bisect into each histogram.
-    Failures are counted directly by :meth:`failed`.
+    ``done_one`` (one whole block) and ``done_part`` (block parts: bytes, not blocks) are
+    the same with rings of their own. Failures are counted directly by :meth:`failed`.
 
-    ``done``, ``done_one``, ``failed`` and ``flush`` run in the engine's event loop only;
+    ``done``, ``done_one``, ``done_part``, ``failed`` and ``flush`` run in the engine's event loop only;
     :meth:`snapshot` runs anywhere (a seqlock: ``flush`` makes ``version`` odd while it
     folds, and a snapshot that saw it odd or changed reads again).
     """
 
-    __slots__ = ("done", "done_one", "flush", "version", "_rings", "_bytes_per_block", "_noisy",
-                 "_result")
+    __slots__ = ("done", "done_one", "done_part", "flush", "version", "_rings", "_bytes_per_block",
+                 "_noisy")
 
     def __init__(self, result: type[Result], bytes_per_block: int, regions: int,
                  noisy: RateLimitedLog) -> None:
@@ -126,13 +132,15 @@ class TransferMetrics(_Counters, Generic[Result]):
         self.version = 0
         self._bytes_per_block = bytes_per_block
         self._noisy = noisy
-        self._result = result
-        self.done, self.done_one, self.flush = self._recorder(result, bytes_per_block, regions)
+        self.done, self.done_one, self.done_part, self.flush = self._recorder(result, bytes_per_block,
+                                                                              regions)
 
     def _recorder(self, result: type[Result], bytes_per_block: int, regions: int
                   ) -> tuple[Callable[[str, int, float, float, float, float,
                                        tuple[float, float, int] | None], Result],
                              Callable[[str, float, float, float, float], Result],
+                             Callable[[str, int, int, int, float, float, float, float,
+                                       tuple[float, float, int] | None], Result],
                              Callable[[], None]]:
         # Finished transfers not yet folded into the counters: blocks, seconds and post
         # seconds of each, flat. Plain numbers, not the results: the garbage collector
@@ -143,8 +151,11 @@ class TransferMetrics(_Counters, Generic[Result]):
         reads_one: list[float] = []
         writes_one: list[float] = []
         read_one, write_one = reads_one.append, writes_one.append
+        # Transfers of block parts (``done_part``): bytes (not blocks), seconds, post seconds.
+        reads_part: list[float] = []
+        writes_part: list[float] = []
         # Never replaced, only appended to and cleared: snapshots read the same lists.
-        rings = self._rings = (reads, writes, reads_one, writes_one)
+        rings = self._rings = (reads, writes, reads_one, writes_one, reads_part, writes_part)
 
         def done(op: str, nblocks: int, started: float, posted: float, seen: float, now: float,
                  telemetry: tuple[float, float, int] | None) -> Result:
@@ -186,6 +197,25 @@ class TransferMetrics(_Counters, Generic[Result]):
                     flush()
             return _new_tuple(result, (1, bytes_per_block, seconds, post, seen - started, regions))
 
+        def done_part(op: str, nblocks: int, nbytes: int, descriptors: int, started: float,
+                      posted: float, seen: float, now: float,
+                      telemetry: tuple[float, float, int] | None) -> Result:
+            """``done`` for a transfer of block parts (``aionixl._parts``): it moved ``nbytes``
+            (not ``nblocks`` whole blocks) with ``descriptors`` descriptors, which its ring
+            keeps in place of the blocks."""
+            seconds = now - started
+            if telemetry is None:
+                post = posted - started
+                res = _new_tuple(result, (nblocks, nbytes, seconds, post, seen - started, descriptors))
+            else:
+                post = telemetry[0]
+                res = _new_tuple(result, (nblocks, nbytes, seconds, *telemetry))
+            ring = reads_part if op == "read" else writes_part
+            ring += (nbytes, seconds, post)  # one step for another thread: whole entries
+            if len(ring) >= _RING_NUMBERS:
+                flush()
+            return res
+
         def flush() -> None:
             """Fold the recorded transfers into the counters and histograms (in the event
             loop only: the one writer). ``version`` is odd meanwhile."""
@@ -197,25 +227,7 @@ class TransferMetrics(_Counters, Generic[Result]):
             finally:
                 self.version += 1
 
-        return done, done_one, flush
-
-    def done_part(self, op: str, nblocks: int, nbytes: int, descriptors: int, started: float,
-                  posted: float, seen: float, now: float,
-                  telemetry: tuple[float, float, int] | None) -> Result:
-        """``done`` for a transfer of block parts (``aionixl._parts``): it moved ``nbytes``,
-        not ``nblocks`` whole blocks, which is what the rings count, so it is folded into
-        the counters at once, bracketed by ``version`` as ``flush`` is (a snapshot never
-        sees half of it). Part transfers are rare next to whole-block ones, so this fold's
-        numpy calls cost nothing that matters."""
-        seconds = now - started
-        post = posted - started if telemetry is None else telemetry[0]
-        self.version += 1
-        try:
-            self._fold(int(op == "write"), 1, nbytes, np.array([seconds]), np.array([post]))
-        finally:
-            self.version += 1
-        rest = (post, seen - started, descriptors) if telemetry is None else telemetry
-        return _new_tuple(self._result, (nblocks, nbytes, seconds, *rest))
+        return done, done_one, done_part, flush
 
     def failed(self, exc: Exc, peer: Any, op: str, nblocks: int, started: float) -> Exc:
         """Count a transfer that ended with ``exc`` and log it (rate-limited, structured)."""
@@ -237,8 +249,9 @@ class TransferMetrics(_Counters, Generic[Result]):
         Safe from any thread (a Prometheus server scrapes from its own), and it changes
         nothing: it copies the counters and the rings and folds the copies. Under the GIL
         each list copy is one step, and only the event loop writes: appends to a ring
-        (``done`` appends a whole entry in one step, ``done_one`` in two, so a copy may end
-        in half an entry, left out until the next snapshot) and, in ``flush``, the fold
+        (``done`` and ``done_part`` append a whole entry in one step, ``done_one`` in two,
+        so a copy may end in half an entry, left out until the next snapshot) and, in
+        ``flush``, the fold
         that moves the rings into the counters. That fold is bracketed by ``version``: a
         copy taken while it was odd, or that saw it change, is taken again, so no
         transfer is counted twice or missed, and each snapshot counts at least what the
@@ -253,7 +266,7 @@ class TransferMetrics(_Counters, Generic[Result]):
             # Whole entries only: a prefix of what the loop appended (rings only grow
             # between folds, and a fold meanwhile changes the version).
             copies = [_whole_entries(ring, width)
-                      for ring, width in zip(rings, (3, 3, 2, 2), strict=True)]
+                      for ring, width in zip(rings, (3, 3, 2, 2, 3, 3), strict=True)]
             if self.version == version:
                 break
         counts.fold(copies, self._bytes_per_block)

@@ -22,20 +22,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import anyio.lowlevel
-
 from ._checks import check_timeout
 from ._coalesce import Coalescer
 from ._errors import TransferError
 from ._lifecycle import LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, NO_HANDLE
+from ._nixl import DONE, NO_HANDLE, Indices
 from ._parts import BlockPart, PartPlan, plan_parts
 from ._peer import Peer
 from ._peers import PeerTable
-from ._post import DirectPath
+from ._post import DirectPath, LoopTurns
 from ._push import Pusher
-from ._regions import IndexArray, paired_ids
+from ._regions import IndexArray, paired_ids, small_pair
 from ._results import Op, TransferResult
 from ._wire import PARTS_FEATURE, user_message
 
@@ -46,13 +44,14 @@ class PartPath:
     """Moves parts of blocks for one engine (see the module docstring)."""
 
     def __init__(self, local: LocalSide, peers: PeerTable, coalescer: Coalescer, direct: DirectPath,
-                 push: Pusher, metrics: TransferMetrics[TransferResult]) -> None:
+                 push: Pusher, metrics: TransferMetrics[TransferResult], turns: LoopTurns) -> None:
         self._local = local
         self._peers = peers
         self._coalescer = coalescer
         self._direct = direct
         self._push = push
         self._metrics = metrics
+        self._turns = turns
 
     async def transfer(self, peer: Peer, local_blocks: Sequence[int] | IndexArray,
                        remote_blocks: Sequence[int] | IndexArray, op: Op, notify: bytes | None,
@@ -61,12 +60,19 @@ class PartPath:
         """``transfer_blocks`` with parts (the engine and the peer are checked already)."""
         _check_part(local_part, "local_part")
         _check_part(remote_part, "remote_part")
-        local_ids, remote_ids = paired_ids(local_blocks, remote_blocks, self._local.num_blocks,
-                                           peer.num_blocks, op)
+        local_ids: Indices
+        remote_ids: Indices
+        small = small_pair(local_blocks, remote_blocks, self._local.num_blocks, peer.num_blocks, op)
+        if small is not None:  # short lists of valid plain ints, checked without numpy
+            local_ids, remote_ids = small
+            nblocks = len(local_ids)
+        else:  # anything else: checked (and explained) as given
+            local_ids, remote_ids = paired_ids(local_blocks, remote_blocks, self._local.num_blocks,
+                                               peer.num_blocks, op)
+            nblocks = int(local_ids.size)
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
-        nblocks = int(local_ids.size)
         if peer._push and op == "read":  # the peer writes the parts into ours
             plan = plan_parts([r.block_bytes for r in self._local.regions], local_part,
                               list(peer.bytes_per_block), remote_part)
@@ -84,15 +90,16 @@ class PartPath:
         if posted[1] is not DONE or posted[0] != NO_HANDLE:
             return await self._direct.wait(peer, op, posted, local_idx, remote_idx, nblocks, timeout,
                                            started, parts)
-        # Finished inside the post. Let other tasks run (a caller looping on such transfers
-        # must not starve them), shielded: the data is in place, and a cancel arriving now
-        # must not turn that into a failure (a retry would write and notify twice).
-        seen = _perf()
-        await anyio.lowlevel.cancel_shielded_checkpoint()
+        # Finished inside the post: other tasks get the loop once the slice whole-block calls
+        # share is used up (LoopTurns: a caller looping on such transfers does not starve
+        # them, and a cancel then cannot turn data in place into a failure).
+        seen = now = _perf()
+        if now - self._turns.last_yield > self._turns.slice:
+            now = await self._turns.take_turn(now)
         return self._metrics.done_part(op, nblocks, nblocks * parts.nbytes, nblocks * parts.per_block,
-                                       started, posted[2], seen, _perf(), posted[3])
+                                       started, posted[2], seen, now, posted[3])
 
-    async def _push_read(self, peer: Peer, local_ids: IndexArray, remote_ids: IndexArray, nblocks: int,
+    async def _push_read(self, peer: Peer, local_ids: Indices, remote_ids: Indices, nblocks: int,
                          message: bytes, timeout: float | None, local_part: BlockPart | None,
                          remote_part: BlockPart | None, plan: PartPlan) -> TransferResult:
         started = _perf()

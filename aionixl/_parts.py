@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -206,6 +206,17 @@ def check_list_size(num_blocks: int, plan_side: Sequence[Segments], where: str) 
         raise ValueError(f"{where}: these parts need more descriptors than fit in int32 indices")
 
 
+#: Descriptor indices in either form NIXL's wrapper takes (``aionixl._nixl.Indices``; this
+#: layer sits below it): an int32 array or a plain list of ints.
+Indices = npt.NDArray[np.int32] | list[int]
+#: Indices up to this many on one side are made in plain Python (numpy's fixed cost per
+#: call is larger below that); one block's up to this many are remembered per block id.
+_PLAIN = 1024
+#: Block ids whose indices one side remembers (then it starts over), as the whole-block
+#: path's memo does (``aionixl._transfers``).
+_MEMO = 4096
+
+
 class PartLists:
     """Prepared NIXL descriptor lists for one pair of parts with one peer, and how to index
     them: each list is region-major, then block, then segment (``part_descriptors``).
@@ -221,28 +232,60 @@ class PartLists:
         #: Bytes and descriptors per pair of blocks.
         self.nbytes = plan.nbytes
         self.per_block = plan.per_block
-        self._local_index = _layout(plan.local, local_blocks)
-        self._remote_index = _layout(plan.remote, remote_blocks)
+        self._local_index = _SideIndex(plan.local, local_blocks)
+        self._remote_index = _SideIndex(plan.remote, remote_blocks)
 
+    @overload
     def indices(self, local_ids: npt.NDArray[np.int32],
-                remote_ids: npt.NDArray[np.int32]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+                remote_ids: npt.NDArray[np.int32]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...
+    @overload
+    def indices(self, local_ids: Indices, remote_ids: Indices) -> tuple[Indices, Indices]: ...
+
+    def indices(self, local_ids: Indices, remote_ids: Indices) -> tuple[Indices, Indices]:
         """Descriptor indices of blocks ``local_ids`` and ``remote_ids`` (valid ids, equal
-        lengths), in matching order: region, then block pair, then segment."""
-        return _indices(self._local_index, local_ids), _indices(self._remote_index, remote_ids)
+        lengths), in matching order: region, then block pair, then segment. From int32
+        arrays, int32 arrays; from lists of plain ints (short ones:
+        :func:`aionixl._regions.small_pair`), plain lists made without numpy where they
+        are short (one block's remembered per block id), int32 arrays otherwise."""
+        return self._local_index.of(local_ids), self._remote_index.of(remote_ids)
 
 
-def _layout(side: Sequence[Segments], num_blocks: int) -> list[tuple[int, npt.NDArray[np.int64]]]:
-    """Per region: where its entries start in the list, and its segment numbers."""
-    out = []
-    start = 0
-    for segments in side:
-        out.append((start, np.arange(len(segments), dtype=np.int64)))
-        start += num_blocks * len(segments)
-    return out
+class _SideIndex:
+    """Descriptor indices into one side's list: per region, where its entries start and
+    its segments per block; entry ``start + b * n + s`` is segment ``s`` of block ``b``."""
 
+    __slots__ = ("_layout", "_per_block", "_one", "_segments")
 
-def _indices(layout: list[tuple[int, npt.NDArray[np.int64]]],
-             ids: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
-    blocks = ids.astype(np.int64)[:, None]
-    parts = [(start + blocks * len(seg) + seg[None, :]).ravel() for start, seg in layout]
-    return np.concatenate(parts).astype(np.int32)
+    def __init__(self, side: Sequence[Segments], num_blocks: int) -> None:
+        self._layout: list[tuple[int, int]] = []
+        start = 0
+        for segments in side:
+            self._layout.append((start, len(segments)))
+            start += num_blocks * len(segments)
+        self._per_block = sum(len(s) for s in side)
+        self._segments = [np.arange(n, dtype=np.int64) for _, n in self._layout]
+        self._one: dict[int, list[int]] = {}  # block id -> its indices (short ones only)
+
+    def of(self, ids: Indices) -> Indices:
+        if not isinstance(ids, list):
+            return self.of_array(ids)
+        if len(ids) * self._per_block > _PLAIN:  # numpy's fixed cost is the smaller one
+            return self.of_array(np.array(ids, dtype=np.int64))
+        if len(ids) != 1:
+            return self._plain(ids)
+        block = ids[0]
+        found = self._one.get(block)
+        if found is None:
+            if len(self._one) >= _MEMO:
+                self._one.clear()
+            found = self._one[block] = self._plain(ids)
+        return found
+
+    def _plain(self, ids: Sequence[int]) -> list[int]:
+        return [start + b * n + s for start, n in self._layout for b in ids for s in range(n)]
+
+    def of_array(self, ids: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.int32]:
+        blocks = ids.astype(np.int64)[:, None]
+        parts = [(start + blocks * n + seg[None, :]).ravel()
+                 for (start, n), seg in zip(self._layout, self._segments, strict=True)]
+        return np.concatenate(parts).astype(np.int32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -158,19 +158,40 @@ def registration_spans(regions: Sequence[Region]) -> npt.NDArray[np.uint64]:
     return np.array([[s, e - s, d] for d, s, e in merged], dtype=np.uint64)
 
 
-def small_indices(value: object, num_blocks: int, offsets: list[int]) -> list[int] | None:
-    """Descriptor indices for a short list of valid plain-int block ids; None otherwise.
+def small_ids(value: object, num_blocks: int) -> TypeGuard[list[int] | tuple[int, ...]]:
+    """Whether ``value`` is a short list or tuple of valid plain-int block ids.
 
-    The hot path for the common case: no numpy at all. Anything unusual (arrays, long
-    lists, bad ids) returns None and goes through :func:`block_ids`, which also explains
+    The hot paths' check for the common case: no numpy at all. Anything unusual (arrays,
+    long lists, bad ids) is False and goes through :func:`block_ids`, which also explains
     what is wrong.
     """
     if (type(value) is not list and type(value) is not tuple) or not 0 < len(value) <= _SMALL:
-        return None
-    for v in value:
+        return False
+    for v in value:  # noqa: SIM110  # a loop: all() over a generator costs more
         if type(v) is not int or v < 0 or v >= num_blocks:
-            return None
+            return False
+    return True
+
+
+def small_indices(value: object, num_blocks: int, offsets: list[int]) -> list[int] | None:
+    """Descriptor indices for a short list of valid plain-int block ids (:func:`small_ids`);
+    None otherwise."""
+    if not small_ids(value, num_blocks):
+        return None
     return [o + b for o in offsets for b in value]
+
+
+def small_pair(local_blocks: object, remote_blocks: object, local_count: int, remote_count: int,
+               op: str) -> tuple[list[int], list[int]] | None:
+    """A call's ids as plain lists where they are short lists of plain ints (or stand for
+    them: :func:`plain_ids`) that pass every check of :func:`paired_ids`, told without
+    numpy; None for anything else, which :func:`paired_ids` then decides (and explains)."""
+    mine, theirs = plain_ids(local_blocks), plain_ids(remote_blocks)
+    if small_ids(mine, local_count) and small_ids(theirs, remote_count) \
+            and type(mine) is list and type(theirs) is list and len(mine) == len(theirs) \
+            and not has_duplicates(mine if op == "read" else theirs):
+        return mine, theirs
+    return None
 
 
 def plain_ids(value: object) -> object:

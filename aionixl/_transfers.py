@@ -74,7 +74,7 @@ class Transfers:
         self._offset_list = local.offset_list
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
         #: Parts of blocks: a component of its own, built here from the same components.
-        self._parts = PartPath(local, peers, coalescer, direct, push, metrics)
+        self._parts = PartPath(local, peers, coalescer, direct, push, metrics, turns)
 
     async def transfer_blocks(self, peer: Peer, local_blocks: Sequence[int] | IndexArray,
                               remote_blocks: Sequence[int] | IndexArray, op: Op = "read",

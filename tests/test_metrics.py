@@ -129,6 +129,45 @@ def test_done_one_records_exactly_what_done_records_for_one_block() -> None:
     assert lean.outcomes[0][0] > 2 * _RING * 3 // 5 and lean.outcomes[1][0] > 0
 
 
+def test_done_part_records_what_done_records_with_bytes_of_its_own() -> None:
+    """``done_part`` keeps a ring of its own (bytes, not blocks): what it counts equals what
+    ``done`` counts for the same transfers moving as many bytes, past several folds, and
+    its results carry the bytes and descriptors given (or NIXL's telemetry)."""
+    noisy = RateLimitedLog(logging.getLogger("test"))
+    general = TransferMetrics(TransferResult, 10, 3, noisy)
+    parts = TransferMetrics(TransferResult, 10, 3, noisy)
+    for i in range(2 * _RING + 11):
+        op = "read" if i % 3 else "write"
+        nblocks = 1 + i % 4
+        v = (*LATENCY_BOUNDS, 0.0, 4e-6)[i % (len(LATENCY_BOUNDS) + 2)]
+        times = (7.0, 7.0 + v / 3, 7.0 + 2 * v / 3, 7.0 + v)
+        whole = general.done(op, nblocks, *times, None)
+        got = parts.done_part(op, nblocks, nblocks * 10, nblocks * 5, *times, None)
+        assert got == (*whole[:5], nblocks * 5)
+        if i % 1000 == 0:
+            assert parts.snapshot() == general.snapshot()
+    assert parts.version >= 2  # its ring folded by itself
+    assert parts.snapshot() == general.snapshot()
+    general.flush()
+    parts.flush()
+    for field in ("outcomes", "bytes", "seconds", "post"):
+        assert getattr(parts, field) == getattr(general, field), field
+    for field in ("seconds_sum", "post_sum"):
+        assert getattr(parts, field) == pytest.approx(getattr(general, field)), field
+    # NIXL's telemetry replaces the engine's post, transfer seconds and descriptors.
+    got = parts.done_part("write", 2, 6, 4, 1.0, 1.5, 2.0, 3.0, (0.25, 0.5, 3))
+    assert got == (2, 6, 2.0, 0.25, 0.5, 3)
+    snap = parts.snapshot()
+    assert snap["transferred_bytes"]["write"] == parts.bytes[1] + 6
+    assert snap["post_seconds"]["write"].sum == pytest.approx(parts.post_sum[1] + 0.25)
+    # Exact however many bytes (summed as ints, never as floats).
+    huge = TransferMetrics(TransferResult, 10, 3, noisy)
+    for _ in range(_RING):
+        huge.done_part("read", 1, 2**53 + 1, 1, 0.0, 0.0, 0.0, 0.0, None)
+    assert huge.snapshot()["transferred_bytes"]["read"] == _RING * (2**53 + 1)
+    assert huge.bytes[0] == _RING * (2**53 + 1)  # folded by then
+
+
 async def test_merged_one_block_reads_are_each_counted_with_their_own_seconds() -> None:
     async with engine_pair(numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=3),
                            numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)) as (_, dst, peer):
@@ -382,8 +421,9 @@ def _scraping(checker: Checker, read: Callable[[Checker], None]
 
 
 def test_snapshots_from_another_thread_count_each_transfer_once(switch_often: None) -> None:
-    """The seqlock alone: this thread records (both ops, one block and several, past many
-    folds) while another snapshots; every read is exact and the end counts are."""
+    """The seqlock alone: this thread records (both ops, one block and several, whole blocks
+    and parts, past many folds) while another snapshots; every read is exact and the end
+    counts are."""
     bytes_per_block = 10
     values = [*LATENCY_BOUNDS, 0.0, 3e-7, 4e-3, 11.0]
     m = TransferMetrics(TransferResult, bytes_per_block, 2, RateLimitedLog(logging.getLogger("test")))
@@ -411,8 +451,10 @@ def test_snapshots_from_another_thread_count_each_transfer_once(switch_often: No
             started[0] += 1
             if nblocks == 1 and i % 10:
                 m.done_one(op, 0.0, v / 2, v, v)
-            else:
+            elif i % 2:
                 m.done(op, nblocks, 0.0, v / 2, v, v, None)
+            else:  # a transfer of block parts, moving as many bytes (a ring of its own)
+                m.done_part(op, nblocks, nblocks * bytes_per_block, 1, 0.0, v / 2, v, v, None)
             finished[0] += 1
             finished[1] += nblocks
             per_value[op][k] += 1

@@ -92,6 +92,52 @@ def test_parts_that_do_not_fit_are_refused_naming_region_and_sizes(
         _parts.plan_parts(local, lpart, remote, rpart)
 
 
+@dataclass(frozen=True)
+class FakeRegion:
+    base: int
+    stride: int
+    num_blocks: int
+    device: int = 0
+
+
+@pytest.mark.parametrize("segments", [1, 4, 64], ids=["whole-runs", "4-segments", "64-segments"])
+def test_descriptor_indices_name_the_rows_of_each_block_whether_plain_or_numpy(
+        segments: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Indices from plain lists of ids (plain Python, one block's remembered) and from int32
+    arrays (numpy) agree, and each names the descriptor row of that block's segment."""
+    monkeypatch.setattr(_parts, "_MEMO", 3)  # the memo starts over often
+    sizes = [1024, 512, 1024]
+    part = BlockPart(1, 2, groups=segments)
+    plan = _parts.plan_parts(sizes, part, [n // 2 for n in sizes], None)
+    ours = [FakeRegion((1 << 40) + (r << 32), 2 * n, 50) for r, n in enumerate(sizes)]
+    theirs = [FakeRegion((1 << 41) + (r << 32), n, 70) for r, n in enumerate(sizes)]
+    local_rows = _parts.part_descriptors(ours, plan.local)
+    remote_rows = _parts.part_descriptors(theirs, plan.remote)
+    lists = _parts.PartLists(plan, 1, 50, 2, 70)
+    rng = np.random.default_rng(segments)
+    for n in (1, 1, 1, 2, 5, 1, 40):
+        local = rng.choice(50, n, replace=False).tolist()
+        remote = rng.choice(70, n, replace=False).tolist()
+        for _ in range(2):  # again: from the memo for one block
+            plain = lists.indices(local, remote)
+            arrays = lists.indices(np.array(local, np.int32), np.array(remote, np.int32))
+            short = n * plan.per_block <= _parts._PLAIN
+            for got, want in zip(plain, arrays, strict=True):
+                assert isinstance(got, list) == short and isinstance(want, np.ndarray)
+                assert want.dtype == np.int32 and np.array_equal(np.asarray(got), want)
+        # Region, then block pair, then segment: both sides pair up row by row.
+        local_idx, remote_idx = arrays
+        expect_local: list[list[int]] = []
+        expect_remote: list[list[int]] = []
+        for r, (mine, yours) in enumerate(zip(ours, theirs, strict=True)):
+            for lb, rb in zip(local, remote, strict=True):
+                for (lo, ln), (ro, rn) in zip(plan.local[r], plan.remote[r], strict=True):
+                    expect_local.append([mine.base + lb * mine.stride + lo, ln, 0])
+                    expect_remote.append([yours.base + rb * yours.stride + ro, rn, 0])
+        assert local_rows[local_idx].tolist() == expect_local
+        assert remote_rows[remote_idx].tolist() == expect_remote
+
+
 # ---- layouts: what lands where -------------------------------------------------------------
 
 
@@ -306,6 +352,48 @@ async def test_a_bad_part_is_refused_before_anything_is_posted() -> None:
             assert all(n == 0 for outcomes in transfers.values() for n in outcomes.values()), transfers
             assert src_engine.stats()["pushes_served"] == 0
             assert not dst[0].any() and not dst[1].any()
+
+
+async def test_bad_ids_are_refused_as_for_whole_blocks_in_every_form() -> None:
+    """Ids of a part transfer are checked as whole blocks' are (short lists in plain Python,
+    anything else with numpy): the same error for each bad call, given as a list, a tuple
+    or an array; valid ids in each form, short or long, land where they say."""
+    src, dst = kv((80, 4, 2, DIM), seed=2), kv((80, 4, 2, DIM), seed=None)
+    part = BlockPart(1, 2)
+    async with engine_pair(src, dst, GET) as (_, dst_engine, peer):
+        bad: list[tuple[Any, Any, str]] = [
+            ([80], [0], "read"), ([0], [-1], "read"), ([0], [80], "write"), ([1, 1], [0, 2], "read"),
+            ([0, 2], [1, 1], "write"), ([1, 1], [0, 2], "write-ok"), ([0, 1], [0], "read"), ([], [], "read"),
+            ([True], [0], "read"), ([0.0], [0], "read"), ([*range(70), 3], list(range(71)), "read"),
+            (list(range(75)), [*range(74), 99], "read"), ([2**70], [0], "read"),
+        ]
+        for local, remote, op in bad:
+            if op == "write-ok":  # duplicates in the source of a write are fine
+                await dst_engine.transfer_blocks(peer, local, remote, "write", local_part=part,
+                                                 remote_part=part)
+                continue
+            for form in (list, tuple, np.array):
+                if form is np.array and local and (type(local[0]) is float or local[0] == 2**70):
+                    continue  # not an integer array
+                mine, theirs = form(local), form(remote)
+                with pytest.raises(ValueError) as whole:
+                    await dst_engine.transfer_blocks(peer, mine, theirs, op)
+                with pytest.raises(ValueError) as parts:
+                    await dst_engine.transfer_blocks(peer, mine, theirs, op, local_part=part,
+                                                     remote_part=part)
+                assert str(parts.value) == str(whole.value), (local, remote, op, form)
+        assert dst_engine.metrics().transfers["read"]["ok"] == 0
+        calls = [([5], [6]), ((7,), (8,)), (np.array([9, 10]), np.array([11, 12], np.int64)),
+                 (range(13, 16), range(20, 23)), (list(range(30, 100 - 20)), list(range(0, 50)))]
+        for local, remote in calls:
+            await dst_engine.transfer_blocks(peer, local, remote, local_part=part, remote_part=part)
+            for r in range(2):
+                for d, s in zip(list(local), list(remote), strict=True):
+                    assert_equal(dst[r][d, 2:], src[r][s, 2:], f"region {r}, block {d}")
+                    assert not dst[r][d, :2].any()
+        m = dst_engine.metrics()
+        assert m.transfers["read"]["ok"] == len(calls)
+        assert m.transferred_bytes["read"] == (1 + 1 + 2 + 3 + 50) * 2 * dst[0][0].nbytes // 2
 
 
 async def test_engines_with_other_block_sizes_connect_and_show_the_peer_sizes() -> None:
