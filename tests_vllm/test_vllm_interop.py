@@ -77,14 +77,18 @@ async def test_read_from_vllm_prefill_verifies_bytes_and_frees_blocks(prefill: V
 
 
 async def test_geometry_and_compat_hash_are_checked(prefill: VllmPrefill, anyio_backend: str) -> None:
-    cases = [(decode_cache(regions=LAYERS - 1), "region_count"),
-             (decode_cache(page=PAGE // 2), "bytes_per_block[0]")]
-    for cache, field in cases:
-        async with aionixl.Engine(unique("dec"), cache, listen=None) as engine:
+    strict = aionixl.EngineConfig(require_equal_geometry=True)
+    cases = [(decode_cache(regions=LAYERS - 1), "region_count", None),
+             (decode_cache(page=PAGE // 2), "bytes_per_block[0]", strict)]
+    for cache, field, config in cases:
+        async with aionixl.Engine(unique("dec"), cache, listen=None, config=config) as engine:
             with pytest.raises(aionixl.IncompatiblePeerError) as info:
                 await engine.connect_vllm(prefill.address, timeout=30)
             assert info.value.field == field
             assert not engine.peers
+    async with aionixl.Engine(unique("dec"), decode_cache(page=PAGE // 2), listen=None) as engine:
+        peer = await engine.connect_vllm(prefill.address, timeout=30)  # other pages: parts move
+        assert peer.bytes_per_block == (PAGE,) * LAYERS
     async with aionixl.Engine(unique("dec"), decode_cache(), listen=None) as engine:
         with pytest.raises(aionixl.IncompatiblePeerError) as info:
             await engine.connect_vllm(prefill.address, expect_compat_hash="0" * 64, timeout=30)
