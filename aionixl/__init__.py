@@ -6,9 +6,11 @@
 """
 
 from ._config import EngineConfig
+from ._discovery import DiscoveryEvent, EngineRecord, EtcdDiscovery
 from ._engine import Engine, Peer, TransferResult
 from ._errors import (
     AionixlError,
+    DiscoveryError,
     EngineClosedError,
     HandshakeError,
     IncompatiblePeerError,
@@ -25,9 +27,13 @@ from ._regions import Region
 __all__ = [
     "AionixlError",
     "BlockPart",
+    "DiscoveryError",
+    "DiscoveryEvent",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
+    "EngineRecord",
+    "EtcdDiscovery",
     "HandshakeError",
     "IncompatiblePeerError",
     "Lease",

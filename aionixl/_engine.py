@@ -29,6 +29,7 @@ import zmq
 from ._checks import check_timeout, single_leaf
 from ._coalesce import Coalescer
 from ._config import EngineConfig
+from ._discovery import EngineRecord, EtcdDiscovery
 from ._drainer import NotificationDrainer
 from ._errors import AionixlError, EngineClosedError, PeerDisconnectedError
 from ._handshake import Handshakes
@@ -52,7 +53,7 @@ from ._transfers import Transfers
 from ._vllm_connect import VllmConnector
 from ._vllm_serve import VllmServer
 from ._vllm_wire import heartbeat_message
-from ._wire import user_message
+from ._wire import FEATURES, user_message
 
 log = logging.getLogger("aionixl")
 
@@ -63,11 +64,13 @@ class Engine:
     ``kv_caches`` is a sequence of regions (torch tensors on CPU or CUDA, or numpy
     arrays); see the README's "The contract" for the layout rules. ``listen`` is the zmq endpoint peers
     connect to (port 0 picks a free port); ``None`` runs without a listener, for engines
-    that only connect out.
+    that only connect out. ``discovery`` (an :class:`aionixl.EtcdDiscovery`) registers the
+    engine by name while it is open (when it listens) and lets :meth:`connect_to` resolve
+    names (the README's "Discovery through etcd").
     """
 
     def __init__(self, name: str, kv_caches: Sequence[Any], listen: str | None = "tcp://127.0.0.1:0",
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, *, discovery: EtcdDiscovery | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("name must be a non-empty str")
         if listen is not None and (not isinstance(listen, str) or not listen):
@@ -81,6 +84,10 @@ class Engine:
         self._name = name
         self._listen = listen
         self._config = config
+        if discovery is not None and not isinstance(discovery, EtcdDiscovery):
+            raise TypeError("discovery must be an aionixl.EtcdDiscovery or None")
+        self._discovery = discovery
+        self._discovery_open = False  # we opened it, so we close it
         self._num_blocks = self._regions[0].num_blocks
         self._address: str | None = None
 
@@ -158,6 +165,11 @@ class Engine:
         return dict(self._peers.by_name)
 
     @property
+    def discovery(self) -> EtcdDiscovery | None:
+        """The registry this engine registers in and resolves names through (``discovery=``)."""
+        return self._discovery
+
+    @property
     def closed(self) -> bool:
         return self._life.state == CLOSED
 
@@ -188,6 +200,8 @@ class Engine:
             "fence_evictions": self._peers.fenced_evictions,
             "vllm_requests_answered": self._vllm_server.answered,
             "vllm_requests_refused": self._vllm_server.refused,
+            "discovery_registrations": self._discovery.registrations if self._discovery else 0,
+            "discovery_keepalive_failures": self._discovery.keepalive_failures if self._discovery else 0,
         }
 
     def metrics(self) -> EngineMetrics:
@@ -338,6 +352,8 @@ class Engine:
                     tg.start_soon(self._inflight.run)
                     tg.start_soon(self._drainer.run)
                     tg.start_soon(self._push.run)
+                    if self._discovery is not None:
+                        await self._register(tg)
                     task_status.started()
         except BaseException as exc:
             if self._life.state in (OPEN, DRAINING) and not isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -345,6 +361,23 @@ class Engine:
             raise
         finally:
             self._bg_done.set()
+
+    async def _register(self, tg: anyio.abc.TaskGroup) -> None:
+        """Open the discovery; with a listener, register this engine (``DiscoveryError``
+        when etcd does not answer or the name is taken) and keep the lease alive in ``tg``.
+        An engine without a listener registers nothing (nobody could connect to it) but
+        resolves names and watches."""
+        discovery = self._discovery
+        assert discovery is not None
+        discovery._open(self._name, tg)
+        self._discovery_open = True
+        if self._address is None:
+            return
+        local = self._local
+        await discovery._register(EngineRecord(
+            self._name, self._address, local.num_blocks, tuple(r.block_bytes for r in self._regions),
+            local.mem_type, tuple(sorted(FEATURES))))
+        tg.start_soon(discovery._keep_alive, self._noisy)
 
     async def _close(self) -> None:
         """Ordered teardown; runs shielded, each stage bounded by close_timeout."""
@@ -354,6 +387,11 @@ class Engine:
             if self._bg_started:
                 with anyio.move_on_after(self._config.close_timeout):
                     await self._bg_done.wait()
+            if self._discovery is not None and self._discovery_open:
+                # Peers stop finding us first: the lease is revoked (our key goes at once)
+                # and watches end, before anything else is released.
+                self._discovery_open = False
+                await self._discovery._close(deadline)
             # Waiting callers learn that the engine closed.
             self._life.end_operations()
             for waiter in self._mailbox.all_waiters():
@@ -443,6 +481,27 @@ class Engine:
         geometry or compat keys differ.
         """
         return await self._handshakes.connect(address, timeout)
+
+    async def connect_to(self, name: str, timeout: float = 10.0) -> Peer:
+        """Resolve ``name`` through the engine's discovery and :meth:`connect` to it.
+
+        Waits up to ``timeout`` seconds in all: for the name to be registered (an engine
+        starting up registers within moments), then for the handshake. ``DiscoveryError``
+        when no engine of that name registered in time or etcd did not answer;
+        ``HandshakeError`` (or ``IncompatiblePeerError``) from the handshake itself, as
+        :meth:`connect`. ``RuntimeError`` for an engine built without ``discovery=``.
+        """
+        self._check_open()
+        check_timeout(timeout, "timeout")
+        if self._discovery is None:
+            raise RuntimeError(f"engine {self._name!r} has no discovery: pass "
+                               "Engine(..., discovery=aionixl.EtcdDiscovery([...]))")
+        if name == self._name:
+            raise ValueError(f"connect_to({name!r}): that is this engine's own name")
+        deadline = anyio.current_time() + timeout
+        with self._life.operation():
+            record = await self._discovery.lookup(name, timeout)
+        return await self.connect(record.address, max(0.001, deadline - anyio.current_time()))
 
     async def connect_vllm(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                            expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:

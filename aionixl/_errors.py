@@ -45,3 +45,8 @@ class PeerDisconnectedError(TransferError):
 
 class EngineClosedError(AionixlError):
     """The engine is closed, or closed while the call was waiting."""
+
+
+class DiscoveryError(AionixlError):
+    """Discovery failed: the registry (etcd) did not answer in time or refused, no engine of
+    that name registered in time, or the name is held by a live engine already."""
