@@ -77,17 +77,11 @@ class Handshakes:
         """Answer handshakes on ``endpoint`` until cancelled; reports the bound address."""
         zctx = self._local.zctx
         assert zctx is not None
-        sock: zmq.Socket[bytes] = zctx.socket(zmq.ROUTER)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_handshake_bytes + 4096)
-            # A flooding client gets its messages dropped by zmq, not buffered by the 1000.
-            sock.setsockopt(zmq.RCVHWM, 16)
-            try:
-                sock.bind(endpoint)
-            except zmq.ZMQError as exc:
-                raise ListenError(f"cannot listen on {endpoint!r}: {exc}") from exc
+            sock = _zmq.bind_router(zctx, endpoint, self._config.max_handshake_bytes + 4096, 16)
+        except zmq.ZMQError as exc:
+            raise ListenError(f"cannot listen on {endpoint!r}: {exc}") from exc
+        try:
             task_status.started(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             while True:
                 frames = await _zmq.recv_multipart(sock)

@@ -76,16 +76,11 @@ class VllmServer:
         """Answer metadata requests on ``endpoint`` until cancelled; reports the bound address."""
         zctx = self._local.zctx
         assert zctx is not None
-        sock: zmq.Socket[bytes] = zctx.socket(zmq.ROUTER)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES + 256)
-            sock.setsockopt(zmq.RCVHWM, 64)
-            try:
-                sock.bind(endpoint)
-            except zmq.ZMQError as exc:
-                raise ListenError(f"cannot serve vLLM on {endpoint!r}: {exc}") from exc
+            sock = _zmq.bind_router(zctx, endpoint, MAX_REQUEST_BYTES + 256, 64)
+        except zmq.ZMQError as exc:
+            raise ListenError(f"cannot serve vLLM on {endpoint!r}: {exc}") from exc
+        try:
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             task_status.started(self.address)
             while True:

@@ -67,3 +67,23 @@ def connect_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str,
         sock.close(linger=0)
         raise
     return sock
+
+
+def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, max_bytes: int,
+                backlog: int) -> zmq.Socket[bytes]:
+    """A listener's ROUTER socket bound to ``endpoint``: it closes at once (LINGER 0), fails
+    a reply to a client that is gone instead of dropping it silently (ROUTER_MANDATORY),
+    refuses messages over ``max_bytes`` and queues at most ``backlog`` messages, so a
+    flooding client gets its messages dropped by zmq, not buffered. ``zmq.ZMQError`` when
+    it cannot bind (the socket is closed then)."""
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        sock.setsockopt(zmq.RCVHWM, backlog)
+        sock.bind(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock

@@ -6,7 +6,6 @@ from runs in the test's own loop and must answer vLLM's handshake meanwhile.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import subprocess
@@ -16,6 +15,8 @@ import anyio
 
 from aionixl._bench._child import module_command
 from aionixl._lines import LineReader, encode_line
+
+from .prefill import stop_child
 
 
 class VllmDecode:
@@ -64,13 +65,4 @@ class VllmDecode:
         return await self._line(timeout)
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            code = self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        os.close(self._fd)
-        return code
+        return stop_child(self.proc, self._fd)

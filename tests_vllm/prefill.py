@@ -23,6 +23,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_child(proc: subprocess.Popen[bytes], fd: int) -> int | None:
+    """End a worker that stops at the end of its stdin (killed after 30 s); its exit code.
+    ``fd`` is our end of its message pipe, closed here."""
+    if proc.poll() is None and proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    try:
+        code = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    os.close(fd)
+    return code
+
+
 class VllmPrefill:
     """A vLLM prefill worker in a child process; its events are collected as they come."""
 
@@ -98,16 +113,7 @@ class VllmPrefill:
         self.wait_for(lambda e: e.get("held") == req, 30.0)
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            code = self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        os.close(self._fd)
-        return code
+        return stop_child(self.proc, self._fd)
 
 
 def region_matches(region: np.ndarray, layer: int, local: list[int], remote: list[int]) -> bool:
