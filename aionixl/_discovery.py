@@ -129,13 +129,18 @@ class EtcdDiscovery:
     seconds; etcd raises values under its minimum, 2 s by default) is how long a crashed
     engine's key outlives it. ``request_timeout`` bounds every request to etcd;
     ``watch_idle`` is how long a watch stream may stay silent before it is re-opened.
+    ``advertise``: the host peers should connect to (``"10.0.0.5"``) or a whole endpoint
+    (``"tcp://10.0.0.5:5555"``); registered in place of the bound host, which an engine
+    listening on a wildcard (``tcp://0.0.0.0:5555``) must give (it is refused otherwise:
+    peers could not connect to the wildcard).
 
     Pass it as ``Engine(..., discovery=...)``: one engine per instance. It can also be used
     on its own, for tools that only look names up or watch: ``async with EtcdDiscovery(...)``.
     """
 
     def __init__(self, endpoints: Sequence[str], *, prefix: str = "/aionixl/", ttl: float = 10.0,
-                 request_timeout: float = 3.0, watch_idle: float = 30.0) -> None:
+                 request_timeout: float = 3.0, watch_idle: float = 30.0,
+                 advertise: str | None = None) -> None:
         if isinstance(endpoints, str) or not endpoints or \
                 not all(isinstance(e, str) and e.startswith(("http://", "https://")) for e in endpoints):
             raise ValueError("endpoints must be a non-empty list of etcd URLs such as 'http://127.0.0.1:2379'")
@@ -145,7 +150,11 @@ class EtcdDiscovery:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ValueError(f"{what} must be a positive number of seconds")
+        if advertise is not None and (not isinstance(advertise, str) or not advertise.strip()
+                                      or any(c.isspace() for c in advertise)):
+            raise ValueError("advertise must be a host ('10.0.0.5') or an endpoint ('tcp://10.0.0.5:5555')")
         _httpx()  # the etcd extra is missing: say so now, not when the engine opens
+        self._advertise = advertise
         self._endpoints = [e.rstrip("/") for e in endpoints]
         self._current = 0  # the endpoint that answered last
         self._prefix = prefix.encode()
@@ -186,6 +195,21 @@ class EtcdDiscovery:
     def registered(self) -> bool:
         """True while this engine's key is believed to be in etcd (its lease alive)."""
         return self._lease is not None
+
+    def advertised(self, bound: str) -> str:
+        """The address to register for an engine bound at ``bound`` (``tcp://host:port``):
+        ``advertise`` where given (a host keeps the bound port), else ``bound`` itself;
+        ``DiscoveryError`` for a wildcard bound host with nothing to advertise."""
+        scheme, _, rest = bound.rpartition("://")
+        host, _, port = rest.rpartition(":")
+        if self._advertise is not None:
+            if "://" in self._advertise:
+                return self._advertise
+            return f"{scheme or 'tcp'}://{self._advertise}:{port}"
+        if host in ("0.0.0.0", "*", "[::]", "::"):
+            raise DiscoveryError(f"the engine listens on the wildcard {bound}, which peers cannot "
+                                 "connect to: give EtcdDiscovery(..., advertise='host') the address they can")
+        return bound
 
     # ---- opening and closing ----------------------------------------------------------------
 

@@ -375,7 +375,8 @@ class Engine:
             return
         local = self._local
         await discovery._register(EngineRecord(
-            self._name, self._address, local.num_blocks, tuple(r.block_bytes for r in self._regions),
+            self._name, discovery.advertised(self._address), local.num_blocks,
+            tuple(r.block_bytes for r in self._regions),
             local.mem_type, tuple(sorted(FEATURES))))
         tg.start_soon(discovery._keep_alive, self._noisy)
 

@@ -184,6 +184,25 @@ async def test_register_connect_to_by_name_and_transfer(anyio_backend: Any, etcd
             assert zero_resources(prefill)
 
 
+async def test_an_engine_on_a_wildcard_registers_the_address_it_advertises(anyio_backend: Any,
+                                                                            etcd: EtcdServer) -> None:
+    pfx, name = prefix(), unique("wild")
+    cache = numpy_cache(16, 4096, 2)
+    with anyio.fail_after(60):
+        with pytest.raises(aionixl.DiscoveryError, match="wildcard"):  # peers could not use it
+            async with aionixl.Engine(name, cache, listen="tcp://0.0.0.0:0", discovery=discovery(etcd, pfx)):
+                pass
+        assert await registered(etcd, pfx) == {}
+        async with aionixl.Engine(name, cache, listen="tcp://0.0.0.0:0",
+                                  discovery=discovery(etcd, pfx, advertise="127.0.0.1")) as engine, \
+                aionixl.Engine(unique("d"), numpy_cache(16, 4096, 2), listen=None,
+                               discovery=discovery(etcd, pfx)) as other:
+            port = (engine.address or "").rsplit(":", 1)[1]
+            assert (await registered(etcd, pfx))[name].address == f"tcp://127.0.0.1:{port}"
+            assert (await other.connect_to(name, timeout=10)).name == name
+    assert zero_resources(engine) and zero_resources(other)
+
+
 async def test_connect_to_waits_for_a_late_registration(anyio_backend: Any, etcd: EtcdServer) -> None:
     pfx = prefix()
     late = unique("late")
@@ -451,6 +470,13 @@ def test_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="ttl"):
         EtcdDiscovery(["http://127.0.0.1:2379"], ttl=0)
     assert EtcdDiscovery(["http://127.0.0.1:2379"], ttl=2.5).ttl == 3
+    for bad in ("", " ", "10.0.0.1 x", 5):
+        with pytest.raises(ValueError, match="advertise"):
+            EtcdDiscovery(["http://127.0.0.1:2379"], advertise=bad)  # type: ignore[arg-type]
+    d = EtcdDiscovery(["http://127.0.0.1:2379"], advertise="10.0.0.5")
+    assert d.advertised("tcp://0.0.0.0:5555") == "tcp://10.0.0.5:5555"
+    assert EtcdDiscovery(["http://127.0.0.1:2379"], advertise="tcp://h:1").advertised("tcp://0.0.0.0:2") == "tcp://h:1"
+    assert EtcdDiscovery(["http://127.0.0.1:2379"]).advertised("tcp://10.1.1.1:7") == "tcp://10.1.1.1:7"
     with pytest.raises(TypeError, match="discovery"):
         aionixl.Engine("x", numpy_cache(), discovery="http://127.0.0.1:2379")  # type: ignore[arg-type]
 
