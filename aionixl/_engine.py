@@ -229,7 +229,15 @@ class Engine:
             leases_active=self._leases.active(),
             leases_released=self._leases.released,
             leases_expired=self._leases.expired,
+            **self._discovery_metrics(),
         )
+
+    def _discovery_metrics(self) -> dict[str, Any]:
+        d = self._discovery
+        if d is None:
+            return {}
+        return {"discovery_registered": d.registered, "discovery_registrations": d.registrations,
+                "discovery_keepalive_failures": d.keepalive_failures}
 
     # ---- lifecycle ----------------------------------------------------------------------
 

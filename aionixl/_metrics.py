@@ -376,6 +376,12 @@ class EngineMetrics:
     leases_active: int = 0
     leases_released: int = 0
     leases_expired: int = 0
+    #: Discovery (``Engine(discovery=)``): whether this engine's key is believed to be in
+    #: etcd now; leases granted and keys put (1 after a clean start, more after etcd lost
+    #: one); keep-alive or re-registration attempts that failed (etcd out of reach).
+    discovery_registered: bool = False
+    discovery_registrations: int = 0
+    discovery_keepalive_failures: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and numbers (JSON-ready)."""

@@ -136,6 +136,15 @@ def families(snapshots: Iterable[EngineMetrics]) -> Iterator[Metric]:
     lease_ends = CounterMetricFamily(
         "aionixl_leases_ended", "Leases ended: every reader done (released) or no heartbeat in "
         "time (expired)", labels=["engine", "how"])
+    registered = GaugeMetricFamily(
+        "aionixl_discovery_registered", "1 while the engine's key is believed to be in etcd "
+        "(Engine(discovery=))", labels=["engine"])
+    registrations = CounterMetricFamily(
+        "aionixl_discovery_registrations", "etcd leases granted and keys put for the engine",
+        labels=["engine"])
+    keepalive_failures = CounterMetricFamily(
+        "aionixl_discovery_keepalive_failures", "etcd keep-alive or re-registration attempts "
+        "that failed", labels=["engine"])
     for m in snapshots:
         e = m.engine
         for op in OPS:
@@ -159,8 +168,12 @@ def families(snapshots: Iterable[EngineMetrics]) -> Iterator[Metric]:
         leases.add_metric([e], m.leases_active)
         lease_ends.add_metric([e, "released"], m.leases_released)
         lease_ends.add_metric([e, "expired"], m.leases_expired)
+        registered.add_metric([e], int(m.discovery_registered))
+        registrations.add_metric([e], m.discovery_registrations)
+        keepalive_failures.add_metric([e], m.discovery_keepalive_failures)
     yield from (transfers, nbytes, seconds, post, in_flight, peers, evicted, evictions, handshakes,
-                notes, kept, merged, merged_calls, leases, lease_ends)
+                notes, kept, merged, merged_calls, leases, lease_ends, registered, registrations,
+                keepalive_failures)
 
 
 def _buckets(h: Histogram) -> tuple[list[tuple[str, float]], float]:

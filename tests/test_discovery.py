@@ -164,6 +164,9 @@ async def test_register_connect_to_by_name_and_transfer(anyio_backend: Any, etcd
             assert record.num_blocks == 16 and record.bytes_per_block == (4096, 4096)
             assert record.region_count == 2 and record.mem_type == "DRAM" and record.features
             assert prefill.stats()["discovery_registrations"] == 1
+            m = prefill.metrics()
+            assert (m.discovery_registered, m.discovery_registrations, m.discovery_keepalive_failures) == (
+                True, 1, 0)
             assert prefill.discovery is not None and prefill.discovery.registered
             # An engine without a listener registers nothing, but resolves names.
             async with aionixl.Engine(decode_name, dst_cache, listen=None,
@@ -440,6 +443,9 @@ async def test_engine_outlives_etcd_and_registers_again(anyio_backend: Any, own_
             await wait_until(lambda: _stays_registered(prefill), 10)
             # A lost lease means a new one; a kept one is simply kept alive again.
             assert prefill.stats()["discovery_registrations"] == (2 if fresh else 1)
+            m = prefill.metrics()  # the same figures for a Prometheus scrape
+            assert m.discovery_registered and m.discovery_registrations == (2 if fresh else 1)
+            assert m.discovery_keepalive_failures == prefill.stats()["discovery_keepalive_failures"] >= 2
             record = (await registered(own_etcd, pfx))[prefill_name]
             assert record.address == prefill.address
             assert await decode.connect_to(prefill_name) is peer

@@ -47,6 +47,9 @@ FAMILIES = {
     "aionixl_coalesced_calls": "counter",
     "aionixl_leases_active": "gauge",
     "aionixl_leases_ended": "counter",
+    "aionixl_discovery_registered": "gauge",
+    "aionixl_discovery_registrations": "counter",
+    "aionixl_discovery_keepalive_failures": "counter",
 }
 
 #: The sample names the issue fixes, each with its labels.
