@@ -19,6 +19,20 @@ def check_timeout(value: object, what: str) -> None:
         raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
 
 
+def check_int(value: object, what: str, low: int) -> int:
+    """``value`` if it is an int (not a bool) of at least ``low``, else ``ValueError``."""
+    if type(value) is not int or value < low:
+        raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def check_text(value: object, what: str) -> str:
+    """``value`` if it is a non-empty str, else ``ValueError``."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty str, got {value!r}")
+    return value
+
+
 def single_leaf(exc: BaseException) -> BaseException:
     """The one exception inside (nested) exception groups, else ``exc`` itself."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:

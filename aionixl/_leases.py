@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 import anyio
 
+from ._checks import check_int
 from ._errors import AionixlError, EngineClosedError
 from ._notifications import Notification
 from ._vllm_wire import HEARTBEAT_PREFIX, read_notification
@@ -131,8 +132,7 @@ class LeaseTable:
                 raise ValueError(f"block_ids must hold ints, got {b!r}")
             if not 0 <= b < num_blocks:
                 raise ValueError(f"block id {b} is outside the cache (0..{num_blocks - 1})")
-        if type(readers) is not int or readers < 1:
-            raise ValueError(f"readers must be an int >= 1, got {readers!r}")
+        check_int(readers, "readers", 1)
         if isinstance(duration, bool) or not isinstance(duration, (int, float)) \
                 or not 0 < duration < math.inf:
             raise ValueError(f"duration must be a finite number of seconds > 0, got {duration!r}")

@@ -23,6 +23,7 @@ import zmq
 
 from . import _protocol as proto
 from . import _zmq
+from ._checks import check_int
 from ._errors import ListenError
 from ._lifecycle import LocalSide
 from ._ratelimit import RateLimitedLog
@@ -61,9 +62,8 @@ class VllmServer:
         if self.serving:
             raise RuntimeError(f"engine {self._local.name!r} serves vLLM decoders already "
                                f"(at {self.address})")
-        for value, what in ((pp_rank, "pp_rank"), (tp_rank, "tp_rank")):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{what} must be an int >= 0")
+        check_int(pp_rank, "pp_rank", 0)
+        check_int(tp_rank, "tp_rank", 0)
         regions = [proto.RegionInfo.of(r) for r in self._local.regions]
         md = serving_metadata(engine_id, self._local.metadata, regions, block_size=block_size,
                               kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,

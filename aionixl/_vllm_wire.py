@@ -23,6 +23,7 @@ from typing import Literal
 import msgspec
 
 from . import _protocol as proto
+from ._checks import check_int, check_text
 from ._regions import Region
 
 #: The request vLLM's listener answers.
@@ -92,9 +93,8 @@ _refusal_decoder = msgspec.msgpack.Decoder(_Refusal)
 
 def encode_request(pp_rank: int = 0, tp_rank: int = 0) -> bytes:
     """The one frame that asks a vLLM listener for the metadata of rank (pp, tp)."""
-    for value, what in ((pp_rank, "pp_rank"), (tp_rank, "tp_rank")):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{what} must be an int >= 0")
+    check_int(pp_rank, "pp_rank", 0)
+    check_int(tp_rank, "tp_rank", 0)
     return msgspec.msgpack.encode([GET_META, pp_rank, tp_rank])
 
 
@@ -182,10 +182,8 @@ def read_notification(request_id: str, consumers: int = 1) -> bytes:
     vLLM frees the request's blocks when it has seen ``consumers`` of these (one per decode
     worker that reads the request: 1 unless decode runs more TP ranks than prefill).
     """
-    if not isinstance(request_id, str) or not request_id:
-        raise ValueError("request_id must be a non-empty str")
-    if not isinstance(consumers, int) or isinstance(consumers, bool) or consumers < 1:
-        raise ValueError("consumers must be an int >= 1")
+    check_text(request_id, "request_id")
+    check_int(consumers, "consumers", 1)
     if request_id.startswith("HB:"):
         raise ValueError("a request id starting with 'HB:' would read as a heartbeat")
     return f"{request_id}:{consumers}".encode()
@@ -257,10 +255,8 @@ def serving_metadata(engine_id: str, agent_metadata: bytes, ours: Sequence[proto
     """
     for value, what in ((engine_id, "engine_id"), (kv_cache_layout, "kv_cache_layout"),
                         (attn_backend_name, "attn_backend_name")):
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{what} must be a non-empty str")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError("block_size (tokens per block) must be an int >= 1")
+        check_text(value, what)
+    check_int(block_size, "block_size (tokens per block)", 1)
     names = None
     if layer_names is not None:
         names = list(layer_names)

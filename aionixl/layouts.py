@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ._checks import check_int
 from ._parts import BlockPart
 
 Layout = Literal["HND", "NHD"]
@@ -62,9 +63,7 @@ class BlockRead:
 
 
 def _positive(value: object, what: str) -> int:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
-    return value
+    return check_int(value, what, 1)
 
 
 def heads_of_rank(tp: int, rank: int, kv_heads: int) -> range:
@@ -131,8 +130,7 @@ def mla_reads(prefill_tp: int, decode_rank: int) -> list[RankRead]:
     """MLA: every rank holds the whole latent KV, so a decode rank reads whole blocks from
     one prefill rank (spread over them: ``decode_rank % prefill_tp``)."""
     _positive(prefill_tp, "prefill_tp")
-    if type(decode_rank) is not int or decode_rank < 0:
-        raise ValueError(f"decode_rank must be an int >= 0, got {decode_rank!r}")
+    check_int(decode_rank, "decode_rank", 0)
     return [RankRead(decode_rank % prefill_tp, None, None)]
 
 

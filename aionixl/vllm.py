@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._checks import check_int, check_text
 from ._vllm_connect import MAX_REPLY_BYTES, fetch_metadata
 from ._vllm_wire import (
     VllmAgentMetadata,
@@ -105,14 +106,12 @@ def transfer_params(request_id: str, block_ids: Iterable[int], *, num_tokens: in
     ids = [int(b) for b in block_ids]
     if not ids or min(ids) < 0:
         raise ValueError("block_ids must be one or more ids >= 0")
-    for value, what, low in ((num_tokens, "num_tokens", 1), (port, "port", 1), (tp_size, "tp_size", 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{what} must be an int >= {low}")
+    for value, what in ((num_tokens, "num_tokens"), (port, "port"), (tp_size, "tp_size")):
+        check_int(value, what, 1)
     if port > 65535:
         raise ValueError("port must be at most 65535")
-    for text, what in ((engine_id, "engine_id"), (host, "host")):
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"{what} must be a non-empty str")
+    check_text(engine_id, "engine_id")
+    check_text(host, "host")
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
             "remote_request_id": request_id, "remote_block_ids": [ids], "remote_host": host,
             "remote_port": port, "remote_num_tokens": num_tokens, "tp_size": tp_size,
