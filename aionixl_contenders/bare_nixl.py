@@ -88,15 +88,7 @@ class BareNixl:
         return lists
 
     def one_part(self, local_idx: np.ndarray, remote_idx: np.ndarray, index: int) -> None:
-        agent = self.agent
-        local, remote = self.part_lists(index)
-        handle = agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx)
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"bare NIXL part transfer failed: {state}")
-        agent.release_xfer_handle(handle)
+        self.one(local_idx, remote_idx, lists=self.part_lists(index))
 
     def seq_parts(self, pairs: list[tuple[np.ndarray, np.ndarray, int]], n: int) -> float:
         """As :meth:`seq`, each transfer moving the part its pair names (on that part's
@@ -116,9 +108,13 @@ class BareNixl:
             agent.release_xfer_handle(handle)
         return (time.perf_counter() - t) / n
 
-    def one(self, local_idx: np.ndarray, remote_idx: np.ndarray, op: str = "READ") -> None:
+    def one(self, local_idx: np.ndarray, remote_idx: np.ndarray, op: str = "READ",
+            lists: tuple[Any, Any] | None = None) -> None:
+        """One transfer, polled to its end: on the whole-block lists, or on ``lists``
+        (a part's, :meth:`part_lists`)."""
         agent = self.agent
-        handle = agent.make_prepped_xfer(op, self.local, local_idx, self.remote, remote_idx)
+        local, remote = (self.local, self.remote) if lists is None else lists
+        handle = agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx)
         state = agent.transfer(handle)
         while state == "PROC":
             state = agent.check_xfer_state(handle)

@@ -29,6 +29,7 @@ import numpy as np
 
 from ._context import Context, Progress
 from ._pdwork import BlockPool, PdMemory, PdSpec, StepRecorder, StepResult, make_requests
+from ._report import target_cell
 from ._spec import Spec
 from ._target import Target
 
@@ -322,11 +323,7 @@ def table(report: dict[str, Any]) -> str:
     for t in report["pd_targets"]:
         row = f"{t['title']:<46}{t['op'] + ' ' + format(t['limit'], '.2f'):>9}"
         for n in names:
-            r = t["results"].get(n) or {}
-            v = r.get("value")
-            star = "*" if r.get("method") == "paired" else ""
-            cell = "-" if v is None else f"{v:.3f}{star}x" + (("  met" if r["met"] else "  NOT met")
-                                                              if n in AIONIXL else "")
+            cell = target_cell(t["results"].get(n) or {}, lambda v: f"{v:.3f}", "x", n in AIONIXL)
             row += f"{cell:>20}"
         lines.append(row)
     return "\n".join(lines)

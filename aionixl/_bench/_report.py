@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -329,17 +330,26 @@ def tables(report: dict[str, Any]) -> str:
         limit = f"{t['op']} {_num(t['limit'] * t['scale'])} {t['unit']}"
         row = f"{t['title']:<44}{limit:>12}"
         for c, width in (("asyncio", 22), ("trio", 22), *((c, 16) for c, _ in refs)):
-            r = t["results"][c]
-            if r["value"] is None:
-                cell = "-"
-            else:
-                star = "*" if r.get("method") == "paired" else ""
-                cell = f"{_num(r['value'] * t['scale'])}{star} {t['unit']}"
-                if c in ("asyncio", "trio"):
-                    cell += "  met" if r["met"] else "  NOT met"
+            cell = target_cell(t["results"][c], partial(_scaled, t["scale"]), f" {t['unit']}",
+                               c in ("asyncio", "trio"))
             row += f"{cell:>{width}}"
         lines.append(row)
     return "\n".join(lines)
+
+
+def _scaled(scale: float, value: float) -> str:
+    return _num(value * scale)
+
+
+def target_cell(result: dict[str, Any], number: Callable[[float], str], unit: str, judged: bool) -> str:
+    """One contender's result for one target, as a table cell: the value (``*`` where it is
+    a paired ratio), and for the contenders a target judges whether it was met; ``-``
+    without a value."""
+    value = result.get("value")
+    if value is None:
+        return "-"
+    cell = number(value) + ("*" if result.get("method") == "paired" else "") + unit
+    return cell + (("  met" if result["met"] else "  NOT met") if judged else "")
 
 
 # ---- plot -------------------------------------------------------------------------------
