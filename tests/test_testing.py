@@ -365,3 +365,34 @@ def test_fixtures_work_under_pytest_asyncio_alone(tmp_path: Path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert f"{passed} passed" in run.stdout, run.stdout[-2000:]
+
+
+# ---- workloads and calls run in the child by name
+
+
+@pytest.mark.anyio
+async def test_a_workload_runs_beside_the_remote_engine_and_calls_return_their_result() -> None:
+    import msgspec
+
+    remote = RemoteEngine(seed=4, num_blocks=4, workload="tests.remote_ops:count",
+                          workload_args=msgspec.msgpack.encode(0.01))
+    async with remote:
+        with anyio.fail_after(20):
+            while (result := await remote.call("tests.remote_ops:counted"))["ticks"] < 3:
+                await anyio.sleep(0.02)
+        assert result["name"] == remote.name
+        with pytest.raises(RemoteEngineError, match="call failed in the child: KeyError"):
+            await remote.call("tests.remote_ops:fail", b"no such key")
+        assert (await remote.call("tests.remote_ops:counted"))["ticks"] >= 3  # still running
+    with pytest.raises(ValueError, match="module:function"):
+        RemoteEngine(seed=4, workload="tests.remote_ops.count")
+
+
+@pytest.mark.anyio
+async def test_a_child_left_with_more_threads_than_before_its_engine_fails_the_stop() -> None:
+    remote = await RemoteEngine(seed=5, num_blocks=2)
+    assert await remote.call("tests.remote_ops:start_a_thread") >= 2
+    died = await remote.aclose()
+    assert isinstance(died, RemoteEngineStopError), died
+    assert "OS threads after its engine closed" in str(died) and died.threads_left == 1
+    assert died.returncode == 0 and died.resources is not None and not any(died.resources.values())

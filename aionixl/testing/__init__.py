@@ -11,7 +11,9 @@ Everything here runs real NIXL agents and real transfers; nothing is faked.
   resources after closing raises :class:`RemoteEngineStopError`.
 - :func:`engine_pair` gives two connected engines in this process.
 - :class:`TwoHosts` gives two network namespaces joined by a veth pair whose link a test
-  can cut (root only).
+  can cut (root only); :class:`FleetHosts` several on one bridge, with a real etcd
+  (:class:`Etcd`) that their engines register in, links that can be cut one host at a time,
+  and :meth:`FleetHosts.remote_engine` to start engines there.
 - As a pytest plugin (``pytest_plugins = ["aionixl.testing"]`` or ``-p aionixl.testing``)
   it adds the fixtures ``aionixl_remote`` and ``aionixl_pair``; they work under anyio's
   pytest plugin (asyncio and trio) and under pytest-asyncio. Importing this package
@@ -21,11 +23,12 @@ The modules form layers, each importing only the ones before it (this package's
 ``__init__`` sits on top and imports them; none of them imports the package itself):
 
 1. ``_caches``: deterministic caches, ``assert_blocks_equal``, ``assert_no_resources``;
+   ``_etcd``: :class:`Etcd`;
 2. ``_child``: the child process's main (aionixl's public API, :mod:`aionixl._lines`,
    ``_caches``);
 3. ``_remote``: :class:`RemoteEngine`, the parent side (``_caches``, ``_child``);
-4. ``_pair``: :func:`engine_pair` (``_caches``); ``_hosts``: :class:`TwoHosts`
-   (``_remote``);
+4. ``_pair``: :func:`engine_pair` (``_caches``); ``_hosts``: :class:`TwoHosts` and
+   :class:`FleetHosts` (``_remote``, ``_etcd``);
 5. ``_plugin``: the pytest fixtures (``_pair``, ``_remote``, pytest). Only pytest imports
    it, because :data:`pytest_plugins` below names it: pytest loads the plugins a plugin
    module lists, so registering needs no hook and no import back up.
@@ -43,7 +46,8 @@ from ._caches import (
     make_caches,
     unique_name,
 )
-from ._hosts import Host, TwoHosts, TwoHostsError
+from ._etcd import Etcd, EtcdError
+from ._hosts import FleetHosts, Host, TwoHosts, TwoHostsError
 from ._pair import Pair, engine_pair
 from ._remote import RemoteEngine, RemoteEngineError, RemoteEngineStopError
 
@@ -51,6 +55,9 @@ __all__ = [
     "DEFAULT_BLOCK_SHAPE",
     "DEFAULT_DTYPES",
     "DEFAULT_NUM_BLOCKS",
+    "Etcd",
+    "EtcdError",
+    "FleetHosts",
     "Pair",
     "RemoteEngine",
     "RemoteEngineError",

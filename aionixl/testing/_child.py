@@ -2,9 +2,14 @@
 
     python -c BOOTSTRAP SPEC      (BOOTSTRAP: see :data:`BOOTSTRAP`)
 
-``SPEC`` is the hex of a msgpack :class:`Spec` (name, seed, geometry, listen, backend, and
-the ``EngineConfig`` msgpack-encoded). The child serves an engine over
-``make_caches(seed, ...)`` and answers control requests from its parent.
+``SPEC`` is the hex of a msgpack :class:`Spec` (name, seed, geometry, listen, backend, the
+``EngineConfig`` msgpack-encoded, the etcd discovery to register with, and a workload). The
+child serves an engine over ``make_caches(seed, ...)`` and answers control requests from
+its parent. A workload (``"module:function"``) runs as a task beside the control loop,
+``await function(engine, workload_args)``, until the child stops; the ``call`` request runs
+``await function(engine, args)`` once and replies with what it returns (JSON-able). Both are
+named by string, so that what runs in the child (the soak's worker, the fleet's fan-in) is
+imported there and never by this package.
 
 The control channel is this process's stdin (requests) and a private duplicate of the
 original stdout (replies), both in the line protocol of :mod:`aionixl._lines`. File
@@ -21,7 +26,9 @@ PYTEST_DONT_REWRITE
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -41,6 +48,14 @@ BOOTSTRAP = ("import os, sys; control = os.dup(1); os.dup2(2, 1); "
              "from aionixl.testing._child import main; main(control, sys.argv[1])")
 
 
+class DiscoverySpec(msgspec.Struct, frozen=True):
+    """What the child needs to build its ``aionixl.EtcdDiscovery``."""
+
+    endpoints: tuple[str, ...]
+    prefix: str
+    ttl: float
+
+
 class Spec(msgspec.Struct, frozen=True):
     name: str
     seed: int
@@ -50,6 +65,9 @@ class Spec(msgspec.Struct, frozen=True):
     listen: str
     backend: str
     config: bytes | None
+    discovery: DiscoverySpec | None = None
+    workload: str | None = None
+    workload_args: bytes = b""
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -58,6 +76,38 @@ class Request(msgspec.Struct, frozen=True):
     message: bytes = b""
     timeout: float = 0.0
     address: str = ""
+    name: str = ""
+    function: str = ""
+    args: bytes = b""
+
+
+def resolve(target: str) -> Callable[[aionixl.Engine, bytes], Coroutine[Any, Any, Any]]:
+    """The async function ``"package.module:function"`` names."""
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"expected 'module:function', got {target!r}")
+    function: Callable[[aionixl.Engine, bytes], Coroutine[Any, Any, Any]] = getattr(
+        importlib.import_module(module), attr)
+    return function
+
+
+def os_threads() -> int:
+    """This process's OS threads (its tasks in /proc)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+async def settled_threads(at_most: int) -> int:
+    """The thread count once exiting threads have left /proc (bounded: 5 s).
+
+    A joined thread (UCX's async thread, zmq's I/O thread) can still be listed for a moment
+    after pthread_join returned; one that keeps running keeps the count above ``at_most``.
+    """
+    count = os_threads()
+    with anyio.move_on_after(5):
+        while count > at_most:
+            await anyio.sleep(0.01)
+            count = os_threads()
+    return count
 
 
 async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, Any]:
@@ -75,6 +125,11 @@ async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, Any]:
     if request.op == "connect":
         peer = await engine.connect(request.address, timeout=request.timeout)
         return {"ok": True, "value": peer.name}
+    if request.op == "connect_to":
+        peer = await engine.connect_to(request.name, timeout=request.timeout)
+        return {"ok": True, "value": peer.name}
+    if request.op == "call":
+        return {"ok": True, "value": await resolve(request.function)(engine, request.args)}
     return {"ok": False, "error": "ValueError", "message": f"unknown control op {request.op!r}"}
 
 
@@ -82,7 +137,12 @@ async def _serve(spec: Spec, control: int) -> None:
     config = (msgspec.msgpack.decode(spec.config, type=aionixl.EngineConfig)
               if spec.config is not None else None)
     caches = make_caches(spec.seed, spec.num_blocks, spec.block_shape, spec.dtypes)
-    engine = aionixl.Engine(spec.name, caches, listen=spec.listen, config=config)
+    discovery = (aionixl.EtcdDiscovery(list(spec.discovery.endpoints), prefix=spec.discovery.prefix,
+                                       ttl=spec.discovery.ttl)
+                 if spec.discovery is not None else None)
+    workload = resolve(spec.workload) if spec.workload is not None else None
+    threads_before = os_threads()  # after torch's and NIXL's imports, before the engine
+    engine = aionixl.Engine(spec.name, caches, listen=spec.listen, config=config, discovery=discovery)
     try:
         await engine.__aenter__()
     except aionixl.ListenError as exc:
@@ -92,6 +152,8 @@ async def _serve(spec: Spec, control: int) -> None:
         _lines.write_fd(control, {"event": "ready", "name": engine.name, "address": engine.address,
                                   "pid": os.getpid()})
         async with anyio.create_task_group() as tg:
+            if workload is not None:
+                tg.start_soon(workload, engine, spec.workload_args)
 
             async def handle(request: Request) -> None:
                 try:
@@ -117,7 +179,9 @@ async def _serve(spec: Spec, control: int) -> None:
             tg.cancel_scope.cancel()
     finally:
         await engine.__aexit__(None, None, None)
-    _lines.write_fd(control, {"event": "stopped", "resources": engine.live_resources()})
+    _lines.write_fd(control, {"event": "stopped", "resources": engine.live_resources(),
+                              "threads_before": threads_before,
+                              "threads_after": await settled_threads(threads_before)})
 
 
 def main(control: int, spec_hex: str) -> None:

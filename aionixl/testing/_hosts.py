@@ -1,5 +1,6 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair whose link a test
-can cut (root and iproute2 only).
+"""Hosts on one machine, as network namespaces (root and iproute2 only): :class:`TwoHosts`,
+two joined by a veth pair whose link a test can cut, and :class:`FleetHosts`, several on one
+bridge with a real etcd beside them.
 
 PYTEST_DONT_REWRITE
 """
@@ -16,9 +17,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
+import anyio
+
+from ._etcd import Etcd
 from ._remote import KILL_TIMEOUT, RemoteEngine
+
+if TYPE_CHECKING:
+    from aionixl import EtcdDiscovery
 
 
 class TwoHostsError(RuntimeError):
@@ -189,3 +196,161 @@ class TwoHosts:
         self._made.clear()
         if _ip("link", "show", self.a.dev, check=False).returncode == 0:
             _ip("link", "del", self.a.dev, check=False)
+
+
+_fleets = itertools.count()
+
+
+class FleetHosts:
+    """Several "hosts" on one machine: network namespaces on one bridge, with an etcd.
+
+    Each of the ``hosts`` namespaces is joined by a veth pair to a bridge in a "switch"
+    namespace of its own, all in one /24 that exists only inside these namespaces; the
+    bridge holds the first address, where :attr:`etcd` (a real etcd, started on entry
+    unless ``etcd=False``) serves. :meth:`remote_engine` starts an engine on a host,
+    registered in that etcd; :meth:`cut` takes a host's link down (its engines lose every
+    other host and etcd at once, as with a pulled cable) and :meth:`restore` brings it back.
+
+    An async context manager. Needs root and iproute2 (``pytest.skip`` under pytest,
+    :class:`TwoHostsError` elsewhere). On exit every remote engine made here that still runs
+    is killed, every process started with :meth:`run` too, etcd is stopped and the
+    namespaces (and with them the links and the bridge) are deleted, also when the body
+    failed.
+    """
+
+    def __init__(self, hosts: int = 4, *, etcd: bool = True) -> None:
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= 200:
+            raise ValueError(f"hosts must be an int from 1 to 200, got {hosts!r}")
+        n = next(_fleets)
+        pid = os.getpid()
+        tag = f"{pid % 100000}f{n % 100}"
+        # A /24 inside 10.232.0.0/16 chosen from the pid and the fleet number.
+        subnet = f"10.232.{(pid * 7 + n) % 256}"
+        self.switch = f"aionixl-{tag}-sw"
+        self.gateway = f"{subnet}.1"
+        self._bridge = f"anx{tag}br"
+        self.hosts: tuple[Host, ...] = tuple(
+            Host(f"aionixl-{tag}-h{i}", f"anx{tag}h{i}", f"{subnet}.{i + 2}") for i in range(hosts))
+        self._ports = [f"anx{tag}s{i}" for i in range(hosts)]  # the bridge's ends of the links
+        self._want_etcd = etcd
+        self.etcd: Etcd | None = None
+        self._made: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._engines: list[RemoteEngine] = []
+
+    @property
+    def etcd_url(self) -> str:
+        if self.etcd is None:
+            raise RuntimeError("this fleet has no etcd (FleetHosts(etcd=True) starts one)")
+        return self.etcd.url
+
+    async def __aenter__(self) -> Self:
+        reason = _netns_unavailable()
+        if reason is not None:
+            _skip_or_raise(reason)
+        try:
+            self._create()
+        except TwoHostsError as exc:
+            self._remove()
+            _skip_or_raise(f"cannot make a bridge and veth pairs between namespaces here: {exc}")
+        except BaseException:
+            self._remove()
+            raise
+        if self._want_etcd:
+            try:
+                self.etcd = Etcd(self.gateway, 2379, command_prefix=["ip", "netns", "exec", self.switch])
+                await self.etcd.start()
+            except BaseException:
+                await self._aclose()
+                raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._aclose()
+
+    def host(self, which: Host | int) -> Host:
+        """Host number ``which`` (from 0), or one of :attr:`hosts`."""
+        if isinstance(which, Host) and which in self.hosts:
+            return which
+        if isinstance(which, int) and not isinstance(which, bool) and 0 <= which < len(self.hosts):
+            return self.hosts[which]
+        raise ValueError(f"no host {which!r}: use 0..{len(self.hosts) - 1} or one of FleetHosts.hosts")
+
+    def discovery(self, prefix: str = "/aionixl/", ttl: float = 10.0) -> EtcdDiscovery:
+        """An :class:`aionixl.EtcdDiscovery` on this fleet's etcd (reachable from its hosts)."""
+        from aionixl import EtcdDiscovery
+
+        return EtcdDiscovery([self.etcd_url], prefix=prefix, ttl=ttl)
+
+    def remote_engine(self, host: Host | int, name: str | None = None, *, prefix: str = "/aionixl/",
+                      ttl: float = 10.0, **kwargs: Any) -> RemoteEngine:
+        """A :class:`RemoteEngine` (same arguments) on ``host``: listening on its address, UCX
+        on TCP over its link, registered in this fleet's etcd under ``prefix`` (unless
+        ``discovery=`` says otherwise). Killed on exit if still running."""
+        where = self.host(host)
+        kwargs.setdefault("listen", f"tcp://{where.addr}:0")
+        kwargs["env"] = {**where.ucx_env(), **kwargs.get("env", {})}
+        if "discovery" not in kwargs and self.etcd is not None:
+            kwargs["discovery"] = self.discovery(prefix, ttl)
+        engine = RemoteEngine(name, command_prefix=where.command([]), **kwargs)
+        self._engines.append(engine)
+        return engine
+
+    def run(self, host: Host | int, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside ``host``'s namespace; killed and reaped on exit."""
+        proc: subprocess.Popen[Any] = subprocess.Popen(self.host(host).command(argv), **popen_kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def cut(self, host: Host | int) -> None:
+        """Take ``host``'s link to the bridge down: nothing reaches it, nothing leaves it."""
+        self.host(host).link(up=False)
+
+    def restore(self, host: Host | int | None = None) -> None:
+        """Bring ``host``'s link (every host's, with None) up again."""
+        for where in ([self.host(host)] if host is not None else self.hosts):
+            where.link(up=True)
+
+    def _create(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        _ip("-n", self.switch, "link", "set", "lo", "up")
+        _ip("-n", self.switch, "link", "add", self._bridge, "type", "bridge")
+        _ip("-n", self.switch, "addr", "add", f"{self.gateway}/24", "dev", self._bridge)
+        _ip("-n", self.switch, "link", "set", self._bridge, "up")
+        for host, port in zip(self.hosts, self._ports, strict=True):
+            _ip("netns", "add", host.ns)
+            self._made.append(host.ns)
+            _ip("link", "add", host.dev, "netns", host.ns, "type", "veth", "peer", "name", port,
+                "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", port, "master", self._bridge)
+            _ip("-n", self.switch, "link", "set", port, "up")
+            _ip("-n", host.ns, "link", "set", "lo", "up")
+            _ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", host.dev)
+            _ip("-n", host.ns, "link", "set", host.dev, "up")
+
+    async def _aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for engine in self._engines:
+                if engine.running:
+                    with contextlib.suppress(Exception):
+                        await engine.kill()
+            self._engines.clear()
+            if self.etcd is not None:
+                with contextlib.suppress(Exception):
+                    await self.etcd.aclose()
+            self._remove()
+
+    def _remove(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=KILL_TIMEOUT)
+        self._procs.clear()
+        for ns in reversed(self._made):
+            _ip("netns", "del", ns, check=False)
+        self._made.clear()

@@ -23,7 +23,7 @@ import anyio.abc
 import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from aionixl import AionixlError, EngineConfig, Notification, _lines
+from aionixl import AionixlError, EngineConfig, EtcdDiscovery, Notification, _lines
 
 from ._caches import (
     DEFAULT_BLOCK_SHAPE,
@@ -33,7 +33,7 @@ from ._caches import (
     make_caches,
     unique_name,
 )
-from ._child import BOOTSTRAP, LISTEN_FAILED, Spec
+from ._child import BOOTSTRAP, LISTEN_FAILED, DiscoverySpec, Spec
 
 if TYPE_CHECKING:
     import torch
@@ -59,19 +59,22 @@ class RemoteEngineError(AionixlError):
 
 class RemoteEngineStopError(RemoteEngineError):
     """A graceful stop of a :class:`RemoteEngine` went wrong: the child exited with a non-zero
-    status (or had to be terminated), did not report its engine's close, or reported NIXL
-    resources its engine still held after closing.
+    status (or had to be terminated), did not report its engine's close, reported NIXL
+    resources its engine still held after closing, or had more OS threads after the close
+    than before the engine opened.
 
     ``resources`` is what the child reported (its engine's ``live_resources()`` after the
-    close; every count 0 when clean), or None when it reported nothing. Raised on leaving
+    close; every count 0 when clean), or None when it reported nothing; ``threads_left``
+    how many threads more than before the engine it still had (0 when clean). Raised on leaving
     ``async with``, by :meth:`RemoteEngine.restart` and at the ``aionixl_remote`` fixture's
     teardown; :meth:`RemoteEngine.aclose` returns it.
     """
 
     def __init__(self, message: str, *, resources: dict[str, int] | None, returncode: int | None = None,
-                 stderr_tail: str = "") -> None:
+                 stderr_tail: str = "", threads_left: int = 0) -> None:
         super().__init__(message, returncode=returncode, stderr_tail=stderr_tail)
         self.resources = resources
+        self.threads_left = threads_left
 
 
 _START_TIMEOUT = 60.0  # NIXL start-up is slow on a loaded machine
@@ -93,6 +96,8 @@ class _Reply(msgspec.Struct, frozen=True):
     address: str | None = None
     pid: int = 0
     resources: dict[str, int] | None = None  # event "stopped": live_resources() after the close
+    threads_before: int = 0  # event "stopped": OS threads before the engine opened
+    threads_after: int = 0  # ... and after it closed (settled)
 
 
 class RemoteEngine:
@@ -104,6 +109,11 @@ class RemoteEngine:
     ``listen`` with port 0 picks a port on the first start; :meth:`restart` reuses it.
     ``env`` is added to the child's environment (``{"UCX_TLS": "tcp"}``, say); ``config``
     is sent to the child. ``backend`` is the child's event loop ("asyncio" or "trio").
+    ``discovery``: an :class:`aionixl.EtcdDiscovery` whose endpoints, prefix and ttl the
+    child's engine registers with (the object itself stays unused here). ``workload``
+    (``"module:function"``) runs in the child beside its engine, ``await
+    function(engine, workload_args)``, until the child stops; :meth:`call` runs such a
+    function once and returns its (JSON-able) result.
 
     :meth:`live_resources` and :meth:`wait_notification` are answered by the child over
     its own control pipe, not through the engine under test. They keep waiting while the
@@ -118,12 +128,19 @@ class RemoteEngine:
                  block_shape: Sequence[int] = DEFAULT_BLOCK_SHAPE, dtypes: Sequence[str] = DEFAULT_DTYPES,
                  listen: str = "tcp://127.0.0.1:0", env: Mapping[str, str] | None = None,
                  config: EngineConfig | None = None, backend: str = "asyncio",
-                 command_prefix: Sequence[str] = ()) -> None:
+                 command_prefix: Sequence[str] = (), discovery: EtcdDiscovery | None = None,
+                 workload: str | None = None, workload_args: bytes = b"") -> None:
         self._block_shape = check_geometry(seed, num_blocks, block_shape, dtypes)
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an aionixl.EngineConfig, got {type(config).__name__}")
         if backend not in ("asyncio", "trio"):
             raise ValueError(f"backend must be 'asyncio' or 'trio', got {backend!r}")
+        if discovery is not None and not isinstance(discovery, EtcdDiscovery):
+            raise TypeError(f"discovery must be an aionixl.EtcdDiscovery, got {type(discovery).__name__}")
+        if workload is not None:
+            _check_target(workload, "workload")
+        if not isinstance(workload_args, bytes):
+            raise TypeError("workload_args must be bytes")
         self.name: str = name if name is not None else unique_name("remote")
         self.seed: int = seed
         self.num_blocks = num_blocks
@@ -134,6 +151,10 @@ class RemoteEngine:
         self._config = config
         self._backend = backend
         self._prefix = tuple(command_prefix)
+        self._discovery = (DiscoverySpec(tuple(discovery.endpoints), discovery.prefix, float(discovery.ttl))
+                           if discovery is not None else None)
+        self._workload = workload
+        self._workload_args = workload_args
         self._proc: anyio.abc.Process | None = None
         self._pid: int | None = None
         self._control: BufferedByteReceiveStream | None = None
@@ -294,6 +315,23 @@ class RemoteEngine:
         reply = await self._call("connect", extra_time=timeout, address=address, timeout=float(timeout))
         return str(reply.value)
 
+    async def connect_to(self, name: str, timeout: float = 10.0) -> str:
+        """Make the child engine ``connect_to(name)`` through its discovery; returns the
+        name of the peer it reached."""
+        reply = await self._call("connect_to", extra_time=timeout, name=name, timeout=float(timeout))
+        return str(reply.value)
+
+    async def call(self, function: str, args: bytes = b"", timeout: float = 60.0) -> Any:
+        """Run ``await function(engine, args)`` in the child (``"module:function"``, imported
+        there) and return its result, which must be JSON-able. An exception in the child is
+        raised here as :class:`RemoteEngineError` naming it; ``TimeoutError`` after ``timeout``."""
+        _check_target(function, "function")
+        if not isinstance(args, bytes):
+            raise TypeError("args must be bytes")
+        with anyio.fail_after(timeout):
+            reply = await self._call("call", extra_time=timeout, function=function, args=args)
+        return reply.value
+
     async def wait_notification(self, message: bytes, timeout: float) -> Notification:
         """The child engine's ``wait_notification(message, timeout=timeout)``: the
         notification, or ``TimeoutError``."""
@@ -356,7 +394,8 @@ class RemoteEngine:
         spec = Spec(
             name=self.name, seed=self.seed, num_blocks=self.num_blocks, block_shape=self._block_shape,
             dtypes=self.dtypes, listen=listen, backend=self._backend,
-            config=msgspec.msgpack.encode(self._config) if self._config is not None else None)
+            config=msgspec.msgpack.encode(self._config) if self._config is not None else None,
+            discovery=self._discovery, workload=self._workload, workload_args=self._workload_args)
         argv = [*self._prefix, sys.executable, "-c", BOOTSTRAP,
                 msgspec.msgpack.encode(spec).hex()]
         if self._stderr is not None:
@@ -518,10 +557,15 @@ class RemoteEngine:
         elif any(resources.values()):
             left = ", ".join(f"{k}={v}" for k, v in sorted(resources.items()) if v)
             why = f"the child's engine still held NIXL resources after closing: {left}"
+        elif report is not None and report.threads_after > report.threads_before:
+            why = (f"the child had {report.threads_after} OS threads after its engine closed, "
+                   f"{report.threads_before} before it opened")
         else:
             return None
+        threads_left = max(0, report.threads_after - report.threads_before) if report is not None else 0
         return RemoteEngineStopError(f"{self.name}: the graceful stop failed: {why}", resources=resources,
-                                     returncode=proc.returncode, stderr_tail=self.stderr_tail())
+                                     returncode=proc.returncode, stderr_tail=self.stderr_tail(),
+                                     threads_left=threads_left)
 
     async def _release(self) -> None:
         """Close the pipes of a child that is gone."""
@@ -529,6 +573,11 @@ class RemoteEngine:
         if proc is not None and proc.returncode is not None:
             with anyio.move_on_after(1), contextlib.suppress(Exception):
                 await proc.aclose()
+
+
+def _check_target(target: str, what: str) -> None:
+    if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
+        raise ValueError(f"{what} must name an async function as 'module:function', got {target!r}")
 
 
 def _proc_state(pid: int) -> str | None:
