@@ -443,8 +443,9 @@ class Engine:
         self._leaked_on_close = sum(counts.values())
         if problems:
             log.error("engine %r closed with leaks: %s", self._name, "; ".join(problems))
-        agent.destroy()
         local.agent = None
+        if not agent.destroy():
+            self._leaked_on_close += 1  # the agent outlived the close (logged by destroy)
 
     def _check_open(self, *, draining_ok: bool = False) -> None:
         self._life.check_open(draining_ok=draining_ok)

@@ -17,12 +17,14 @@ account of every live handle.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import logging
 import pathlib
 import sys
 import time
+import weakref
 from collections.abc import Mapping
 from contextlib import suppress
 from types import ModuleType
@@ -212,9 +214,11 @@ class Agent:
                     raw.createBackend(backend, {})
                     created.append(backend)
         except _CREATE_ERRORS as exc:
+            raw = None  # the traceback keeps this frame: it must not keep the agent (see destroy)
             raise translate(exc, "setup", f"creating NIXL agent {name!r}") from exc
         missing = [b for b in backends if b not in created]
         if missing:
+            raw = None  # see destroy()
             raise AionixlError(f"NIXL backend(s) {missing} are not available here")
         self._raw: Any = raw
         self.name = name
@@ -322,6 +326,7 @@ class Agent:
             handle: int = raw.makeXferReq(_OPS[op], local, local_idx, remote, remote_idx,
                                           notify, _ALL_BACKENDS, False)
         except _NIXL_ERRORS as exc:
+            raw = None  # see destroy(): a frame in a kept traceback must not hold the agent
             raise translate(exc, "transfer", "creating a transfer") from exc
         try:
             status = raw.postXferReq(handle, b"")
@@ -331,6 +336,7 @@ class Agent:
                 polls -= 1
         except _NIXL_ERRORS as exc:
             # A post that fails (say, the peer is gone) still leaves a request to release.
+            raw = None  # see destroy()
             self.xfers.add(handle)
             self.release_xfer(handle)
             raise translate(exc, "transfer", "posting a transfer") from exc
@@ -404,6 +410,22 @@ class Agent:
             "registrations": len(self.registrations),
         }
 
-    def destroy(self) -> None:
-        """Drop the agent; NIXL tears down its backends (and their threads) here."""
-        self._raw = None
+    def destroy(self) -> bool:
+        """Drop the agent; NIXL tears down its backends (and their threads) here.
+
+        Only if this was the last reference: anything else still holding the bindings'
+        agent (say, a traceback frame with it as a local, kept through an exception stored
+        on an evicted Peer) keeps the UCX worker, its sockets and UCX's "async" thread alive
+        for as long as it lives. Returns False (and logs) when the agent outlived this.
+        """
+        raw, self._raw = self._raw, None
+        if raw is None:
+            return True
+        ref = weakref.ref(raw)
+        del raw
+        if ref() is None:
+            return True
+        log.error("NIXL agent %r is still referenced after close (%d referrers): its UCX "
+                  "worker and threads stay until they are released", self.name,
+                  len(gc.get_referrers(ref())))
+        return False

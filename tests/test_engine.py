@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import logging
 import math
 import socket
@@ -500,6 +501,22 @@ async def test_no_threads_are_started_and_none_are_left(
     assert report["python_threads_after"] == report["python_threads_before"]
     assert report["os_tasks_after"] == report["os_tasks_before"]
     assert report["os_tasks_during"] >= report["os_tasks_before"]  # NIXL/zmq internals, released
+
+
+async def test_an_error_kept_from_a_post_to_a_killed_peer_does_not_keep_nixl_alive_after_close(
+        anyio_backend_name: str) -> None:
+    # The post's traceback holds the frame that called NIXL; it must not hold NIXL's agent,
+    # or the UCX worker, its sockets and UCX's thread outlive the close (UCX over TCP, where
+    # a post to a killed peer fails at once).
+    if anyio_backend_name != "asyncio":
+        pytest.skip("one event loop is enough: the engine's NIXL calls are the same")
+    out = subprocess.run([sys.executable, str(HERE / "thread_check.py"), "asyncio", "peer-killed"],
+                         capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "UCX_TLS": "tcp"}).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["error"] in ("PeerDisconnectedError", "TransferError"), report
+    assert report["leaked_on_close"] == 0, report
+    assert report["os_tasks_after"] == report["os_tasks_before"], report
 
 
 async def test_body_exception_propagates_unwrapped() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 import threading
+from typing import Any
 
 import anyio
 import numpy as np
@@ -55,9 +57,52 @@ async def main() -> dict[str, int]:
     return report
 
 
+#: A peer in a process of its own, killed by the test: prints its address, then waits.
+SERVER = """
+import sys, anyio, numpy as np, aionixl
+async def serve():
+    async with aionixl.Engine("killed-" + sys.argv[1], [np.ones((4, 4096), np.uint8)]) as e:
+        print(e.address, flush=True)
+        await anyio.sleep_forever()
+anyio.run(serve)
+"""
+
+
+async def peer_killed() -> dict[str, Any]:
+    """A transfer posted to a SIGKILLed peer fails (and evicts it) while the caller keeps
+    its Peer and the error: the engine's close must still end NIXL's agent and its threads."""
+    async with aionixl.Engine("warm", [np.zeros((2, 64), np.uint8)]):
+        pass
+    report: dict[str, Any] = {"os_tasks_before": await settled_tasks()}
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(os.getpid())], stdout=subprocess.PIPE,
+                              text=True)
+    assert server.stdout is not None
+    address = server.stdout.readline().strip()
+    errors: list[BaseException] = []
+    engine = aionixl.Engine("reader", [np.zeros((4, 4096), np.uint8)], listen=None)
+    async with engine:
+        peer = await engine.connect(address)
+        await engine.transfer_blocks(peer, [0], [1], op="write")
+        server.kill()
+        server.wait()
+        for _ in range(50):
+            try:
+                await engine.transfer_blocks(peer, [0], [1], op="write", timeout=5)
+            except aionixl.AionixlError as exc:
+                errors.append(exc)  # kept, as a caller may keep it
+                break
+            await anyio.sleep(0.05)
+    report["error"] = type(errors[0]).__name__ if errors else None
+    report["peer_connected"] = peer.connected
+    report["leaked_on_close"] = engine.stats()["leaked_on_close"]
+    report["os_tasks_after"] = await settled_tasks(at_most=report["os_tasks_before"])
+    return report
+
+
 if __name__ == "__main__":
-    # "asyncio", "trio", or "uvloop" (asyncio on uvloop's loop)
+    # "asyncio", "trio", or "uvloop" (asyncio on uvloop's loop); then "peer-killed" for that check
     loop = sys.argv[1]
     uvloop = {"use_uvloop": True} if loop == "uvloop" else {}
     backend = "asyncio" if uvloop else loop
-    print(json.dumps(anyio.run(main, backend=backend, backend_options=uvloop)))
+    check = peer_killed if sys.argv[2:] == ["peer-killed"] else main
+    print(json.dumps(anyio.run(check, backend=backend, backend_options=uvloop)))
