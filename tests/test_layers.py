@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("components: the transfer call, the drainer", {"_transfers", "_drainer"}),
     ("facade", {"_engine"}),
     ("public surface", {"__init__", "vllm", "prometheus", "layouts"}),
-    ("add-ons", {"_demo", "_bench", "testing"}),
+    ("test helpers", {"testing"}),
+    ("add-ons", {"_demo", "_bench"}),
     ("command line", {"_cli"}),
     ("python -m aionixl", {"__main__"}),
 ]

@@ -87,11 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-tls", metavar="LIST",
                    help="UCX_TLS for both processes (default: UCX's own choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--workload", choices=["all", "micro", "pd"], default="all",
+    p.add_argument("--workload", choices=["all", "micro", "pd", "fleet"], default="all",
                    help="micro: the per-call measures; pd: open-loop P/D requests, latency against "
-                   "load (benchmarks/README.md); all (default): both")
+                   "load (benchmarks/README.md); all (default): both; fleet (alone, root and etcd "
+                   "only): engines on network-namespace hosts found through etcd, fan-in, fan-out, "
+                   "cost per transfer, memory and threads per engine")
     p.add_argument("--pd-requests", type=int, help="P/D: requests per load step and repeat")
     p.add_argument("--pd-repeats", type=int, help="P/D: repeats of every load step")
+    p.add_argument("--fleet-hosts", type=int, help="fleet: hosts (network namespaces); default 4")
+    p.add_argument("--fleet-engines", type=int, help="fleet: engine processes per host; default 8")
 
 
 def make_spec(args: argparse.Namespace) -> Spec:
@@ -206,6 +210,8 @@ def _run(args: argparse.Namespace) -> int:
     if problems:
         raise BenchError("; ".join(problems))
     workload = getattr(args, "workload", "micro")
+    if workload == "fleet":
+        return _run_fleet(args, spec, started, started_at)
     run_micro, run_pd = workload in ("all", "micro"), workload in ("all", "pd")
     chosen, left_out = choose_contenders(args.contenders, spec.with_vllm, run_pd)
     unknown = [c for c in chosen if c not in CONTENDERS and c != "uvloop"]
@@ -322,6 +328,53 @@ def _run(args: argparse.Namespace) -> int:
         except ImportError:
             print("aionixl bench: no P/D plot (matplotlib is not installed)", file=sys.stderr)
     return 1 if errors or pd_errors else 0
+
+
+def _run_fleet(args: argparse.Namespace, spec: Spec, started: float, started_at: str) -> int:
+    """``--workload fleet``: the fleet section alone (it needs root and etcd; where it
+    cannot run, it says why and exits 0 with ``"fleet": {"skipped": why}``)."""
+    from . import _fleet
+
+    changes = {name: value for name, value in (("hosts", args.fleet_hosts),
+                                               ("engines_per_host", args.fleet_engines)) if value is not None}
+    fleet_spec = _fleet.quick_fleet(**changes) if args.quick else _fleet.FleetSpec(**changes)
+    if fleet_spec.problems():
+        raise BenchError("; ".join(fleet_spec.problems()))
+    if spec.device != "cpu":
+        raise BenchError("--workload fleet runs on DRAM only")
+    if args.ucx_tls:
+        raise BenchError("--workload fleet runs UCX over TCP between its hosts (no --ucx-tls)")
+    progress = Progress(not args.no_progress)
+    machine = _machine(spec, "tcp (between network-namespace hosts)")
+    fleet: dict[str, Any]
+    failed = False
+    try:
+        fleet = anyio.run(_fleet.run_fleet, fleet_spec, progress)
+        failed = bool(fleet["close"]["failures"])
+    except _fleet.FleetUnavailable as exc:
+        fleet = {"skipped": str(exc)}
+        print(f"aionixl bench: fleet skipped: {exc}", file=sys.stderr)
+    except (AssertionError, aionixl.AionixlError, TimeoutError, OSError) as exc:
+        progress.done()
+        traceback.print_exc()
+        fleet = {"error": f"{type(exc).__name__}: {exc}"}
+        failed = True
+    progress.done()
+    elapsed = time.perf_counter() - started
+    report: dict[str, Any] = {
+        "schema": "aionixl-bench/1",
+        "headline": (f"aionixl bench --workload fleet{' --quick' if args.quick else ''}: "
+                     f"{fleet_spec.hosts} hosts x {fleet_spec.engines_per_host} engines; {machine['cpus']} "
+                     f"CPUs ({machine['processor']}); {elapsed:.1f} s"),
+        "notes": [], "command": ["aionixl", "bench", *sys.argv[2:]], "started_at": started_at,
+        "elapsed_s": elapsed, "machine": machine, "fleet": fleet,
+    }
+    print(report["headline"])
+    print()
+    print(_fleet.table(fleet) if "error" not in fleet else f"FAILED (fleet): {fleet['error']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if failed else 0
 
 
 def _pd_spec(args: argparse.Namespace) -> Any:
