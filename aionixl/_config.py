@@ -91,8 +91,9 @@ class EngineConfig:
     push_chunk_bytes: int = 8 << 20
     #: How long a read that was cancelled or timed out waits for the peer to confirm that
     #: nothing more of it will land (push) or for a fencing read (GET); without it in time
-    #: the peer is evicted, which closes the connection its bytes would come over.
-    push_cancel_timeout: float = 1.0
+    #: the peer is evicted. A timed-out read raises at most this long after its deadline
+    #: (0.5 s: a typed error within the deadline + 1 s, scheduling included).
+    push_cancel_timeout: float = 0.5
     #: Push reads one peer may have open on this engine (as the serving side); more are
     #: refused with a TransferError at the reader.
     max_pushes_per_peer: int = 1024

@@ -29,9 +29,10 @@ The exchange, all over reserved NIXL notifications (their formats are in
   stops before the next chunk, waits for the chunk under way (UCX cannot abort a PUT, and
   NIXL's release does not either), then answers ``PGONE`` + id: nothing more of it will
   land. A reader that hears neither ``PGONE``, ``PDONE`` nor ``PERR`` within
-  ``push_cancel_timeout`` evicts the peer: its NIXL connection is closed, so the server's
-  writes can no longer reach our memory (best effort against a server stopped mid-chunk
-  over UCX tcp: that chunk can still land when it resumes; see docs/read-modes.md, "Known gap").
+  ``push_cancel_timeout`` evicts the peer (``remove_remote_agent``). That does not stop a
+  chunk already under way over UCX tcp: UCX keeps the socket it arrives on open for
+  receiving, so against a server stopped or cut off mid-chunk the rest of that one chunk can
+  land once it runs or is reachable again (docs/read-modes.md, "Known gap").
 
 Where a one-sided GET is native the engine reads with it instead; the choice is
 :func:`aionixl._hostfacts.choose_read_mode`, the GET fence is in :mod:`aionixl._post`.
