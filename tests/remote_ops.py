@@ -28,6 +28,13 @@ async def counted(engine: aionixl.Engine, args: bytes) -> dict[str, object]:
     return {"ticks": _ticks, "name": engine.name}
 
 
+async def modules(engine: aionixl.Engine, args: bytes) -> list[str]:
+    """A call: which of the modules named in ``args`` (comma-separated) are imported here."""
+    import sys
+
+    return [name for name in args.decode().split(",") if name in sys.modules]
+
+
 async def fail(engine: aionixl.Engine, args: bytes) -> None:
     raise KeyError(args.decode())
 

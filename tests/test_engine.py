@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import logging
 import math
+import os
 import socket
 import subprocess
 import sys

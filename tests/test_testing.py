@@ -384,6 +384,8 @@ async def test_a_workload_runs_beside_the_remote_engine_and_calls_return_their_r
         with pytest.raises(RemoteEngineError, match="call failed in the child: KeyError"):
             await remote.call("tests.remote_ops:fail", b"no such key")
         assert (await remote.call("tests.remote_ops:counted"))["ticks"] >= 3  # still running
+        # the child serves make_caches' bytes from numpy: it never imports torch
+        assert await remote.call("tests.remote_ops:modules", b"torch,numpy") == ["numpy"]
     with pytest.raises(ValueError, match="module:function"):
         RemoteEngine(seed=4, workload="tests.remote_ops.count")
 

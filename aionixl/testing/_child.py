@@ -4,7 +4,8 @@
 
 ``SPEC`` is the hex of a msgpack :class:`Spec` (name, seed, geometry, listen, backend, the
 ``EngineConfig`` msgpack-encoded, the etcd discovery to register with, and a workload). The
-child serves an engine over ``make_caches(seed, ...)`` and answers control requests from
+child serves an engine over ``make_caches(seed, ...)``'s bytes (``byte_caches``: numpy, so
+the child never imports torch) and answers control requests from
 its parent. A workload (``"module:function"``) runs as a task beside the control loop,
 ``await function(engine, workload_args)``, until the child stops; the ``call`` request runs
 ``await function(engine, args)`` once and replies with what it returns (JSON-able). Both are
@@ -37,7 +38,7 @@ import msgspec
 import aionixl
 from aionixl import _lines
 
-from ._caches import make_caches
+from ._caches import byte_caches
 
 LISTEN_FAILED = 3  # exit status when the listen endpoint could not be bound
 
@@ -65,6 +66,7 @@ class Spec(msgspec.Struct, frozen=True):
     listen: str
     backend: str
     config: bytes | None
+    region_bytes: tuple[int, ...]  # one block of each region (the dtypes' sizes, from the parent)
     discovery: DiscoverySpec | None = None
     workload: str | None = None
     workload_args: bytes = b""
@@ -94,6 +96,18 @@ def resolve(target: str) -> Callable[[aionixl.Engine, bytes], Coroutine[Any, Any
 def os_threads() -> int:
     """This process's OS threads (its tasks in /proc)."""
     return len(os.listdir("/proc/self/task"))
+
+
+def thread_names() -> list[str]:
+    """The names of this process's OS threads (what a report of threads left shows)."""
+    names = []
+    for task in sorted(os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue  # it has just exited
+    return names
 
 
 async def settled_threads(at_most: int) -> int:
@@ -136,12 +150,12 @@ async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, Any]:
 async def _serve(spec: Spec, control: int) -> None:
     config = (msgspec.msgpack.decode(spec.config, type=aionixl.EngineConfig)
               if spec.config is not None else None)
-    caches = make_caches(spec.seed, spec.num_blocks, spec.block_shape, spec.dtypes)
+    caches = byte_caches(spec.seed, spec.num_blocks, spec.region_bytes)
     discovery = (aionixl.EtcdDiscovery(list(spec.discovery.endpoints), prefix=spec.discovery.prefix,
                                        ttl=spec.discovery.ttl)
                  if spec.discovery is not None else None)
     workload = resolve(spec.workload) if spec.workload is not None else None
-    threads_before = os_threads()  # after torch's and NIXL's imports, before the engine
+    threads_before = os_threads()  # after the imports, before the engine
     engine = aionixl.Engine(spec.name, caches, listen=spec.listen, config=config, discovery=discovery)
     try:
         await engine.__aenter__()
@@ -181,7 +195,8 @@ async def _serve(spec: Spec, control: int) -> None:
         await engine.__aexit__(None, None, None)
     _lines.write_fd(control, {"event": "stopped", "resources": engine.live_resources(),
                               "threads_before": threads_before,
-                              "threads_after": await settled_threads(threads_before)})
+                              "threads_after": await settled_threads(threads_before),
+                              "thread_names": thread_names()})
 
 
 def main(control: int, spec_hex: str) -> None:

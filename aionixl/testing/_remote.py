@@ -31,6 +31,7 @@ from ._caches import (
     DEFAULT_NUM_BLOCKS,
     check_geometry,
     make_caches,
+    region_bytes,
     unique_name,
 )
 from ._child import BOOTSTRAP, LISTEN_FAILED, DiscoverySpec, Spec
@@ -98,6 +99,7 @@ class _Reply(msgspec.Struct, frozen=True):
     resources: dict[str, int] | None = None  # event "stopped": live_resources() after the close
     threads_before: int = 0  # event "stopped": OS threads before the engine opened
     threads_after: int = 0  # ... and after it closed (settled)
+    thread_names: list[str] = []  # ... their names then
 
 
 class RemoteEngine:
@@ -393,7 +395,8 @@ class RemoteEngine:
     async def _spawn_once(self, listen: str) -> None:
         spec = Spec(
             name=self.name, seed=self.seed, num_blocks=self.num_blocks, block_shape=self._block_shape,
-            dtypes=self.dtypes, listen=listen, backend=self._backend,
+            dtypes=self.dtypes, region_bytes=region_bytes(self._block_shape, self.dtypes), listen=listen,
+            backend=self._backend,
             config=msgspec.msgpack.encode(self._config) if self._config is not None else None,
             discovery=self._discovery, workload=self._workload, workload_args=self._workload_args)
         argv = [*self._prefix, sys.executable, "-c", BOOTSTRAP,
@@ -559,7 +562,7 @@ class RemoteEngine:
             why = f"the child's engine still held NIXL resources after closing: {left}"
         elif report is not None and report.threads_after > report.threads_before:
             why = (f"the child had {report.threads_after} OS threads after its engine closed, "
-                   f"{report.threads_before} before it opened")
+                   f"{report.threads_before} before it opened ({', '.join(report.thread_names)})")
         else:
             return None
         threads_left = max(0, report.threads_after - report.threads_before) if report is not None else 0
