@@ -1,4 +1,4 @@
-"""Command line: ``aionixl demo`` and ``aionixl bench``."""
+"""Command line: ``aionixl demo``, ``aionixl bench`` and ``aionixl soak``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     from ._bench import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
+    soak = sub.add_parser("soak", help="chaos soak: engines on network-namespace hosts found through etcd "
+                          "move random blocks while engines are killed and stopped, links cut and etcd "
+                          "restarted; checks every transfer (root, iproute2 and etcd-server)")
+    _add_soak_arguments(soak)
     serve = sub.add_parser("_demo-serve", help=argparse.SUPPRESS)
     for name in ("layers", "blocks", "block_bytes", "seed"):
         serve.add_argument(name, type=int)
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         from . import _bench
 
         return _bench.main(args)
+    if args.command == "soak":
+        return _soak(args)
     if args.command == "_demo-serve":
         anyio.run(_demo.serve, args.layers, args.blocks, args.block_bytes, args.seed)
         return 0
@@ -47,6 +53,57 @@ def main(argv: list[str] | None = None) -> int:
     code: int = anyio.run(_demo.run, args.layers, args.blocks, args.block_bytes, args.rounds,
                           args.backend, backend=args.backend)
     return code
+
+
+def _add_soak_arguments(p: argparse.ArgumentParser) -> None:
+    from ._soak._run import SoakOptions
+
+    d = SoakOptions()
+    p.add_argument("--duration", type=float, default=d.duration, help="seconds of faults (%(default)s)")
+    p.add_argument("--hosts", type=int, default=d.hosts, help="network-namespace hosts (%(default)s)")
+    p.add_argument("--engines", type=int, default=d.engines, help="engine processes per host (%(default)s)")
+    p.add_argument("--json", metavar="PATH", help="write the report here (violations: a top-level integer)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG over time (default: the JSON path with .png)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the faults and the workload")
+    p.add_argument("--rate", type=float, default=d.rate, help="operations per second per engine")
+    p.add_argument("--fault-interval", type=float, default=d.fault_interval,
+                   help="mean seconds between faults (default %(default)s)")
+    p.add_argument("--deadline-min", type=float, default=d.deadline_min)
+    p.add_argument("--deadline-max", type=float, default=d.deadline_max)
+    p.add_argument("--backend", choices=["asyncio", "trio"], default=d.backend,
+                   help="the engines' event loop")
+    p.add_argument("--faults", default=",".join(d.faults),
+                   help="the fault kinds to inject, comma-separated (default: %(default)s)")
+    p.add_argument("--keep-events", action="store_true", help="keep the engines' event files (path printed)")
+
+
+def _soak(args: argparse.Namespace) -> int:
+    """Run the soak; 0 without violations, 1 with, 2 when it could not run here."""
+    import json
+
+    from ._soak._run import SoakOptions, soak
+    from .testing import EtcdError, TwoHostsError
+
+    options = SoakOptions(duration=args.duration, hosts=args.hosts, engines=args.engines, seed=args.seed,
+                          rate=args.rate, fault_interval=args.fault_interval, deadline_min=args.deadline_min,
+                          deadline_max=args.deadline_max, backend=args.backend,
+                          faults=tuple(k.strip() for k in args.faults.split(",") if k.strip()))
+    try:
+        options.check()
+    except ValueError as exc:
+        print(f"aionixl soak: {exc}", file=sys.stderr)
+        return 2
+    plot = args.plot or (str(args.json).rsplit(".", 1)[0] + ".png" if args.json else None)
+    try:
+        summary = anyio.run(soak, options, args.json, plot, print, args.keep_events)
+    except (TwoHostsError, EtcdError) as exc:
+        print(f"aionixl soak: cannot run here: {exc}", file=sys.stderr)
+        return 2
+    brief = {k: summary[k] for k in ("transfers", "transfers_ok", "bytes_verified", "errors_by_type",
+                                     "faults_by_kind", "worst_time_to_error_s", "violations",
+                                     "violations_by_kind", "engines_closed_clean")}
+    print(json.dumps(brief, indent=1))
+    return 0 if summary["violations"] == 0 else 1
 
 
 if __name__ == "__main__":

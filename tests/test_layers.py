@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("facade", {"_engine"}),
     ("public surface", {"__init__", "vllm", "prometheus", "layouts"}),
     ("test helpers", {"testing"}),
-    ("add-ons", {"_demo", "_bench"}),
+    ("add-ons", {"_demo", "_bench", "_soak"}),
     ("command line", {"_cli"}),
     ("python -m aionixl", {"__main__"}),
 ]
