@@ -282,9 +282,10 @@ class FleetSpec:
     seq_reads: int = 200  # per cost measure
     cost_cycles: int = 2  # of the cost measure: 1 peer, all peers, ..., 1 peer
     start_limit: int = 8  # engine processes starting at once
-    # engine processes stopping at once: a stop ends with the interpreter's exit, ~0.3-1 s of
-    # CPU with torch loaded. 32 at once took 8.9 s on a quiet 2-core machine, but overran
-    # RemoteEngine's 15 s stop limit beside a loaded one (load ~25); 4 at a time takes as long
+    # engine processes stopping at once: a stop ends with the interpreter's exit, which cost
+    # ~0.3-1 s of CPU while children loaded torch. 32 at once took 8.9 s on a quiet 2-core
+    # machine then, but overran RemoteEngine's 15 s stop limit beside a loaded one (load
+    # ~25); 4 at a time takes as long
     close_limit: int = 4
     timeout: float = 30.0  # per transfer
     idle_poll_interval: float | None = None  # every engine's EngineConfig field; None: its default
@@ -331,14 +332,14 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-_BASELINE = ("import os, aionixl.testing, torch; "
+_BASELINE = ("import os, aionixl.testing._child; "
              "print(open(f'/proc/{os.getpid()}/status').read(), flush=True)")
 
 
 async def _baseline() -> dict[str, float]:
     """RSS, RssAnon (MiB) and threads of a Python that imported what an engine child imports
-    (aionixl, aionixl.testing and torch, which ``make_caches`` needs) but opened no engine:
-    what of an engine process is the harness's rather than the engine's."""
+    (aionixl and the child's module; no torch: children serve numpy bytes) but opened no
+    engine: what of an engine process is the harness's rather than the engine's."""
     import sys
 
     result = await anyio.run_process([sys.executable, "-c", _BASELINE])
@@ -362,7 +363,7 @@ def _processes(engines: Sequence[RemoteEngine]) -> dict[str, Any]:
     rss = [s["VmRSS"] / 1024 for s in status]
     anon = [s["RssAnon"] / 1024 for s in status]
     threads = [float(s["Threads"]) for s in status]
-    # VmRSS counts the pages of shared libraries (torch's, NIXL's) that every engine process
+    # VmRSS counts the pages of shared libraries (NIXL's, UCX's) that every engine process
     # maps from the same files; RssAnon is each process's own memory.
     return {"rss_mib": _spread(rss), "anon_mib": _spread(anon), "threads": _spread(threads),
             "rss_total_mib": sum(rss), "anon_total_mib": sum(anon),
@@ -429,7 +430,7 @@ async def _run(fleet: FleetHosts, spec: FleetSpec, say: Callable[[str], None], p
     seeds = {e.name: e.seed for e in engines}
     half = spec.num_blocks // 2
 
-    # -- start every engine (a few at a time: each imports torch and NIXL, on every core)
+    # -- start every engine (a few at a time: each imports NIXL and starts UCX, on every core)
     say(f"fleet: starting {len(engines)} engine processes")
     mark = time.perf_counter()
     limiter = anyio.CapacityLimiter(spec.start_limit)
@@ -725,7 +726,7 @@ def table(fleet: dict[str, Any]) -> str:
         f"| ... its own (RssAnon), idle / after | {idle['anon_mib']['median']:.0f} / "
         f"{busy['anon_mib']['median']:.0f} MiB p50, max {busy['anon_mib']['max']:.0f} MiB "
         f"(all: {busy['anon_total_mib'] / 1024:.2f} GiB) |",
-        f"| ... beyond a Python with the same imports (torch's included), no engine "
+        f"| ... beyond a Python with the same imports, no engine "
         f"({base['anon_mib']:.0f} MiB, {base['threads']} threads) | "
         f"{busy['anon_mib']['median'] - base['anon_mib']:.0f} MiB p50, "
         f"{mib(s['num_blocks'] * s['block_id_bytes'])} of it KV cache |",
