@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, Self
@@ -60,6 +60,34 @@ def _skip_or_raise(reason: str) -> NoReturn:
 
         pytest.skip(f"TwoHosts: {reason}")
     raise TwoHostsError(reason)
+
+
+def _make_or_skip(create: Callable[[], None], remove: Callable[[], None], what: str) -> None:
+    """Run ``create``; where namespaces cannot be made here, or it fails for want of them,
+    undo with ``remove`` and skip (under pytest) or raise :class:`TwoHostsError`."""
+    reason = _netns_unavailable()
+    if reason is not None:
+        _skip_or_raise(reason)
+    try:
+        create()
+    except TwoHostsError as exc:
+        remove()
+        _skip_or_raise(f"cannot make {what} here: {exc}")
+    except BaseException:
+        remove()
+        raise
+
+
+def _kill_and_reap(procs: list[subprocess.Popen[Any]]) -> None:
+    """Kill (a stopped one too) and reap every process still running, then forget them all."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=KILL_TIMEOUT)
+    procs.clear()
 
 
 @dataclass(frozen=True)
@@ -112,17 +140,7 @@ class TwoHosts:
         self._procs: list[subprocess.Popen[Any]] = []
 
     def __enter__(self) -> Self:
-        reason = _netns_unavailable()
-        if reason is not None:
-            _skip_or_raise(reason)
-        try:
-            self._create()
-        except TwoHostsError as exc:
-            self._remove()
-            _skip_or_raise(f"cannot make a veth pair between namespaces here: {exc}")
-        except BaseException:
-            self._remove()
-            raise
+        _make_or_skip(self._create, self._remove, "a veth pair between namespaces")
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -182,14 +200,7 @@ class TwoHosts:
             _ip("-n", end.ns, "link", "set", end.dev, "up")
 
     def _remove(self) -> None:
-        for proc in self._procs:  # before the namespaces go
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                    proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=KILL_TIMEOUT)
-        self._procs.clear()
+        _kill_and_reap(self._procs)  # before the namespaces go
         # Deleting a namespace destroys the veth end inside it, and with it the pair.
         for ns in self._made:
             _ip("netns", "del", ns, check=False)
@@ -245,17 +256,7 @@ class FleetHosts:
         return self.etcd.url
 
     async def __aenter__(self) -> Self:
-        reason = _netns_unavailable()
-        if reason is not None:
-            _skip_or_raise(reason)
-        try:
-            self._create()
-        except TwoHostsError as exc:
-            self._remove()
-            _skip_or_raise(f"cannot make a bridge and veth pairs between namespaces here: {exc}")
-        except BaseException:
-            self._remove()
-            raise
+        _make_or_skip(self._create, self._remove, "a bridge and veth pairs between namespaces")
         if self._want_etcd:
             try:
                 self.etcd = Etcd(self.gateway, 2379, command_prefix=["ip", "netns", "exec", self.switch])
@@ -343,14 +344,7 @@ class FleetHosts:
             self._remove()
 
     def _remove(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-                    proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=KILL_TIMEOUT)
-        self._procs.clear()
+        _kill_and_reap(self._procs)
         for ns in reversed(self._made):
             _ip("netns", "del", ns, check=False)
         self._made.clear()
