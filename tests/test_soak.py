@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from aionixl._soak._worker import THEIRS
 from aionixl.testing._etcd import etcd_binary
 
 pytestmark = [
@@ -59,7 +60,7 @@ def test_a_60_second_soak_of_32_engines_under_every_fault_kind_keeps_every_invar
     others = {kind: n for kind, n in summary["violations_by_kind"].items() if kind != "late_bytes"}
     assert not others, details
     for found in summary["violation_details"]:
-        assert "they now equal the peer's source blocks" in found["detail"], details
+        assert THEIRS in found["detail"], details
         assert found["blocks"] <= 4, details
     assert summary["engines_closed_clean"] == 32
     plot = report.with_suffix(".png")

@@ -196,16 +196,19 @@ async def test_the_quarantine_flags_bytes_that_change_after_an_error(anyio_backe
     q = Quarantine(views, truth, 0.0, released.extend, found.append)
     q.hold([8, 9], op="read", peer="p", seed=5, expect=[1, 2], deadline=0.1, error="TransferTimeoutError")
     q.hold([10, 11], op="read", peer="p", seed=5, expect=[0, 3], deadline=0.1, error="TransferTimeoutError")
-    # Late bytes in block 9 (through the tensor), none in 8; in block 10 the peer's very bytes.
+    # Late bytes in block 9 (through the tensor), none in 8; in block 10 the peer's very bytes,
+    # in block 11 the first half of its first region's (a chunk that landed in part).
     caches[1][9].view(-1)[5] += 1
     for r, view in enumerate(views):
         view[10] = truth.expected(5, r, 0)
+    half = views[0].shape[1] // 2
+    views[0][11][:half] = truth.expected(5, 0, 3)[:half]
     q.check_due(anyio.current_time())
     assert sorted(released) == [8, 9, 10, 11] and q.checked == 2 and q.late == 2
     assert [f["violation"] for f in found] == ["late_bytes", "late_bytes"]
     assert found[0]["blocks"] == 1 and 1 <= found[0]["bytes"] <= 2 and "blocks [9]" in found[0]["detail"]
-    assert "now differ from the peer's source blocks [2]" in found[0]["detail"]
-    assert "now equal the peer's source blocks [0]" in found[1]["detail"]
+    assert f"{_worker.NOT_THEIRS} [2]" in found[0]["detail"]
+    assert f"{_worker.THEIRS} [0, 3]" in found[1]["detail"] and found[1]["blocks"] == 2
     # Nothing changed: nothing flagged.
     q.hold([8], op="read", peer="p", seed=5, expect=[1], deadline=0.1, error="TransferTimeoutError")
     q.check_all(anyio.current_time())

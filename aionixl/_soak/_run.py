@@ -40,6 +40,11 @@ FAULT_WEIGHTS = {"sigkill": 3, "sigstop": 3, "link_cut": 2, "etcd_restart": 1}
 #: graceful stop) timeout.
 STARTS_AT_ONCE = 4
 
+#: Seconds a failed read's destination is watched beyond the longest deadline: late bytes
+#: of a server stopped or cut off for up to 3-4 s come once it runs or its link is back,
+#: and TCP's retransmission backs off for seconds after an outage.
+QUARANTINE_MARGIN = 8.0
+
 #: How often the monitor looks for engines that died on their own.
 MONITOR_PERIOD = 0.25
 
@@ -127,7 +132,7 @@ class Soak:
             slot_blocks=g.slot_blocks, rate=o.rate, concurrency=o.concurrency,
             deadline_min=o.deadline_min, deadline_max=o.deadline_max, max_blocks=g.max_blocks,
             events_path=str(self.workdir / f"events-{index:03d}.jsonl"),
-            quarantine_s=o.deadline_max + 1.0, rng_seed=o.seed * 100003 + index)
+            quarantine_s=o.deadline_max + QUARANTINE_MARGIN, rng_seed=o.seed * 100003 + index)
 
     async def run(self) -> dict[str, Any]:
         """Hosts, etcd and engines up; faults for ``duration``; all down; the summary."""

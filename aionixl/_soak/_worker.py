@@ -210,6 +210,12 @@ class Truth:
         return bad
 
 
+#: How a late-bytes record says whether every changed byte is the peer's own (the read's
+#: data, landing late) or not.
+THEIRS = "every changed byte now holds the peer's source bytes of blocks"
+NOT_THEIRS = "some changed bytes are not the peer's source bytes of blocks"
+
+
 def fill_canary(views: Sequence[ByteView], blocks: Sequence[int]) -> None:
     for view in views:
         view[list(blocks)] = CANARY
@@ -218,6 +224,17 @@ def fill_canary(views: Sequence[ByteView], blocks: Sequence[int]) -> None:
 def snapshot(views: Sequence[ByteView], blocks: Sequence[int]) -> list[ByteView]:
     """A copy of ``blocks`` of every region (``[region][i]``)."""
     return [view[list(blocks)].copy() for view in views]
+
+
+def changed_to(views: Sequence[ByteView], block: int, snap: Sequence[ByteView], i: int,
+               expected: Sequence[ByteView]) -> bool:
+    """Whether every byte of ``block`` that changed since ``snap[..][i]`` now holds what
+    ``expected[region]`` has at its place (late bytes of the read, perhaps only some)."""
+    for view, old, want in zip(views, snap, expected, strict=True):
+        moved = view[block] != old[i]
+        if np.any(moved) and not np.array_equal(view[block][moved], want[moved]):
+            return False
+    return True
 
 
 def changed_blocks(views: Sequence[ByteView], blocks: Sequence[int],
@@ -423,13 +440,15 @@ class Quarantine:
         if changed:
             self.late += 1
             where = dict(zip(held.blocks, held.expect, strict=True))
-            theirs = all(not self.truth.check(self.views, [b], held.seed, [where[b]]) for b, _ in changed)
+            regions = range(len(self.views))
+            theirs = all(changed_to(self.views, b, held.snap, held.blocks.index(b),
+                                    [self.truth.expected(held.seed, r, where[b]) for r in regions])
+                         for b, _ in changed)
             nbytes = sum(n for _, n in changed)
             detail = (f"{held.op} from {held.peer} failed with {held.error}; "
                       f"{now - held.returned:.3f} s later {nbytes} bytes had changed in destination blocks "
                       f"{[b for b, _ in changed]} (of {held.blocks}; per block {[n for _, n in changed]}); "
-                      f"they now {'equal' if theirs else 'differ from'} the peer's source blocks "
-                      f"{[where[b] for b, _ in changed]}")
+                      f"{THEIRS if theirs else NOT_THEIRS} {[where[b] for b, _ in changed]}")
             self._report(record("quarantine", held.peer, len(changed), nbytes, held.deadline, time.time(),
                                 now - held.returned, None, error_name=held.error, violation="late_bytes",
                                 detail=detail))
