@@ -371,13 +371,13 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(
         assert child.running
     assert zero_resources(eng)
     record_property("late_bytes", late)  # in --junitxml reports: how often the gap shows
-    # The known gap, bounded (docs/read-modes.md): closing our NIXL connection to the stopped
-    # server does not stop the PUT chunk it had under way over UCX tcp; once it resumes, the
-    # rest of that chunk can land (seen in 3 of 4 fresh-clone CI runs on 2026-12-04,
-    # ~0.8-1 MB; here in about 1 of 10 trio runs, 0.1-4 MB, never on asyncio in 40). Never a
-    # later chunk: the server posts one only once the chunk before it completed, and that
-    # completion (its flush) needs our side of the connection the eviction closed; the
-    # server's push times out instead ("push to ... timed out" in its log).
+    # The known gap, bounded (docs/read-modes.md): evicting the stopped server does not stop
+    # the PUT chunk it had under way over UCX tcp (UCX keeps our receiving side of that
+    # connection open); once it resumes, the rest of that chunk can land (seen in 3 of 4
+    # fresh-clone CI runs on 2026-12-04, ~0.8-1 MB; here in about 1 of 10 trio runs, 0.1-4
+    # MB, never on asyncio in 40). Never a later chunk: the server posts one only once the
+    # chunk before it completed, and waits for each no longer than the read's deadline, which
+    # has passed when it runs again: its push times out instead ("push to ... timed out").
     assert late <= per_chunk * block_bytes, (late, late_blocks)
     assert len({b // per_chunk for b in late_blocks}) <= 1, late_blocks  # inside one chunk
     assert late_ok, "what landed late is not the server's bytes"
