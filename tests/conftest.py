@@ -12,6 +12,8 @@ import pytest
 
 from aionixl import _parking
 
+from .etcd_server import EtcdServer
+
 pytest_plugins = ["aionixl.testing"]  # aionixl_remote, aionixl_pair
 
 try:
@@ -62,3 +64,14 @@ def hide_task_table(mp: pytest.MonkeyPatch) -> None:
         mp.setattr(asyncio.tasks, "_current_tasks", {})
     else:
         mp.setattr(_parking, "_private_task_table", lambda asyncio: {})
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd per test module (tests/etcd_server.py)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,94 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import numpy as np
 import pytest
 
 import aionixl
 from aionixl import EngineRecord, EtcdDiscovery
 
+from .etcd_server import ETCD, TTL, EtcdServer, free_port
 from .helpers import HERE, numpy_cache, unique, zero_resources
-
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 pytestmark = [
     pytest.mark.anyio,
     pytest.mark.skipif(not os.access(ETCD, os.X_OK),
                        reason="no etcd binary (install Debian's etcd-server: apt-get install etcd-server)"),
 ]
-
-#: etcd's smallest lease TTL with its default timing (a 1 s TTL is raised to it).
-TTL = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class EtcdServer:
-    """One etcd member on free loopback ports, with its data dir under ``root``."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self, *, fresh: bool = False) -> None:
-        """Start it (on the same ports again after a stop); ``fresh``: with an empty data dir,
-        as an etcd that lost its state."""
-        assert self.proc is None
-        data = self.root / "data"
-        if fresh:
-            shutil.rmtree(data, ignore_errors=True)
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        self.starts += 1
-        log = open(self.root / f"etcd-{self.starts}.log", "wb")  # noqa: SIM115 - kept by the process
-        self.proc = subprocess.Popen(
-            [ETCD, "--name", "default", "--data-dir", str(data),
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"default={peer}"],
-            stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                text = (self.root / f"etcd-{self.starts}.log").read_text()
-                raise RuntimeError(f"etcd exited: {text[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).json().get("health") == "true":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("etcd did not become healthy within 30 s")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
 
 @pytest.fixture
 def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:

@@ -32,8 +32,8 @@ from aionixl._soak._worker import (
 )
 from aionixl.testing import assert_no_resources, make_caches
 
+from .etcd_server import ETCD, TTL, EtcdServer
 from .helpers import unique
-from .test_discovery import ETCD, TTL, EtcdServer
 
 pytestmark = [
     pytest.mark.anyio,
@@ -44,16 +44,6 @@ pytestmark = [
 SHAPE = (4, 8, 16)  # 1 KiB per block per region in float16
 DTYPES = ("float16", "bfloat16")
 SOURCE, SLOT = 8, 4
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def specs(names: list[str], tmp: Path, **kw: Any) -> list[WorkerSpec]:
