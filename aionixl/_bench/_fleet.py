@@ -41,6 +41,7 @@ import numpy as np
 
 import aionixl
 from aionixl.testing import FleetHosts, RemoteEngine, TwoHostsError, block_bytes
+from aionixl.testing._remote import each_at_most
 
 _HERE = "aionixl._bench._fleet"
 
@@ -479,15 +480,7 @@ async def _run(fleet: FleetHosts, spec: FleetSpec, say: Callable[[str], None], p
                 if died is not None:
                     failures[engine.name] = str(died)
 
-            limiter = anyio.CapacityLimiter(spec.close_limit)
-
-            async def limited(engine: RemoteEngine) -> None:
-                async with limiter:
-                    await stop(engine)
-
-            async with anyio.create_task_group() as tg:
-                for engine in engines:
-                    tg.start_soon(limited, engine)
+            await each_at_most(spec.close_limit, stop, engines)
         phases["close_engines"] = time.perf_counter() - mark
         close.update(engines=len(engines), clean=len(engines) - len(failures), failures=failures)
         report["close"] = close

@@ -28,6 +28,7 @@ import anyio
 
 from aionixl import EngineConfig
 from aionixl.testing import FleetHosts, RemoteEngine, RemoteEngineError
+from aionixl.testing._remote import each_at_most
 
 from ._report import plot, summarize
 from ._worker import WorkerSpec
@@ -35,9 +36,9 @@ from ._worker import WorkerSpec
 FAULT_KINDS = ("sigkill", "sigstop", "link_cut", "etcd_restart")
 FAULT_WEIGHTS = {"sigkill": 3, "sigstop": 3, "link_cut": 2, "etcd_restart": 1}
 
-#: Engines starting (and stopping) at once: each start imports torch and NIXL (seconds of
-#: CPU), and all of them at once on a small machine would push some past their start (or
-#: graceful stop) timeout.
+#: Engines starting (and stopping) at once: each start imports NIXL and starts UCX (a couple
+#: of seconds of CPU), and all of them at once on a small machine would push some past their
+#: start (or graceful stop) timeout.
 STARTS_AT_ONCE = 4
 
 #: Seconds a failed read's destination is watched beyond the longest deadline: late bytes
@@ -148,15 +149,7 @@ class Soak:
                     ttl=o.ttl, config=config, backend=o.backend,
                     workload="aionixl._soak._worker:main", workload_args=spec.encode()))
             self._log(f"starting etcd, {o.hosts} hosts and {len(self._engines)} engines...")
-            starting = anyio.CapacityLimiter(STARTS_AT_ONCE)
-
-            async def start(engine: RemoteEngine) -> None:
-                async with starting:
-                    await engine.start()
-
-            async with anyio.create_task_group() as tg:
-                for engine in self._engines:
-                    tg.start_soon(start, engine)
+            await each_at_most(STARTS_AT_ONCE, RemoteEngine.start, self._engines)
             up = time.time()
             self._log(f"up in {up - started:.1f} s; soaking for {o.duration:g} s")
             async with anyio.create_task_group() as tg:
@@ -166,15 +159,7 @@ class Soak:
                 tg.cancel_scope.cancel()  # the monitor; every fault task undoes itself first
             soaked = time.time()
             self._log(f"faults stopped; {len(self.faults)} injected; stopping the engines...")
-            stopping = anyio.CapacityLimiter(STARTS_AT_ONCE)  # exits cost CPU too (torch)
-
-            async def stop(index: int, engine: RemoteEngine) -> None:
-                async with stopping:
-                    await self._stop(index, engine)
-
-            async with anyio.create_task_group() as tg:
-                for index, engine in enumerate(self._engines):
-                    tg.start_soon(stop, index, engine)
+            await each_at_most(STARTS_AT_ONCE, self._stop, range(len(self._engines)))
         files = sorted(self.workdir.glob("events-*.jsonl"))
         summary = summarize(files, self.faults, self.findings, soaked - up)
         summary.update({
@@ -300,8 +285,8 @@ class Soak:
                 finally:
                     self._busy.discard(self.names[index])
 
-    async def _stop(self, index: int, engine: RemoteEngine) -> None:
-        name = self.names[index]
+    async def _stop(self, index: int) -> None:
+        engine, name = self._engines[index], self.names[index]
         if index in self._down:  # its restart failed: a finding already
             await engine.aclose()
             self.stops.append({"engine": name, "clean": False, "kind": "down"})

@@ -13,10 +13,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, NoReturn, Self
+from typing import IO, TYPE_CHECKING, Any, NoReturn, Self, TypeVar
 
 import anyio
 import anyio.abc
@@ -84,6 +84,8 @@ _STOP_TIMEOUT = 15.0  # a graceful stop; the engine's own close is bounded by cl
 KILL_TIMEOUT = 10.0  # for a killed process to be reaped (TwoHosts uses it too)
 _RESTART_LISTEN_TIMEOUT = 10.0  # how long restart() retries a port that is not free yet
 _TAIL_BYTES = 4000
+
+_T = TypeVar("_T")
 
 
 class _Reply(msgspec.Struct, frozen=True):
@@ -576,6 +578,22 @@ class RemoteEngine:
         if proc is not None and proc.returncode is not None:
             with anyio.move_on_after(1), contextlib.suppress(Exception):
                 await proc.aclose()
+
+
+async def each_at_most(at_most: int, function: Callable[[_T], Awaitable[object]],
+                       items: Iterable[_T]) -> None:
+    """``await function(item)`` for every item, concurrently, but at most ``at_most`` at once:
+    starting or stopping many remote engines at once would push some past their start (or
+    graceful stop) timeout, each start or exit costing its process seconds of CPU."""
+    limiter = anyio.CapacityLimiter(at_most)
+
+    async def limited(item: _T) -> None:
+        async with limiter:
+            await function(item)
+
+    async with anyio.create_task_group() as tg:
+        for item in items:
+            tg.start_soon(limited, item)
 
 
 def _check_target(target: str, what: str) -> None:
