@@ -75,16 +75,14 @@ def free_port() -> int:
 class VllmSide:
     """One vLLM worker's connector pair over a patterned KV cache (prefill or decode).
 
-    ``port`` (the side channel) and ``dist_port`` (gloo's rendezvous): 0 picks one here,
-    just before it is bound; ``self.port`` is the side channel's."""
+    ``port`` (the side channel) and ``dist_port`` (gloo's rendezvous): 0 picks one just
+    before it is bound; ``self.port`` is the prefill's side channel."""
 
     def __init__(self, role: str, engine_id: str, port: int, layers: int, blocks: int,
                  block_size: int, kv_heads: int, head_dim: int, lease_s: int, dist_port: int,
                  unpin: bool = False) -> None:
-        port = port or free_port()
         self.port = port
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         import torch
         from vllm.config import (
             CacheConfig,
@@ -151,8 +149,9 @@ class VllmSide:
         self.scheduler: Any = None
         if role == "prefill":
             self.fill()
-            self.scheduler = self.new_listener(self.worker, port)
-        self.address = f"tcp://127.0.0.1:{port}"
+            self.port = port or free_port()
+            self.scheduler = self.new_listener(self.worker, self.port)
+        self.address = f"tcp://127.0.0.1:{self.port}"
 
     def new_worker(self) -> Any:
         """A WORKER-role connector (its own NIXL agent) that registers this cache."""
@@ -169,8 +168,11 @@ class VllmSide:
         return worker
 
     def new_listener(self, worker: Any, port: int) -> Any:
-        """A SCHEDULER-role connector serving ``worker``'s metadata on vLLM's side channel."""
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+        """A SCHEDULER-role connector serving ``worker``'s metadata on vLLM's side channel
+        (``port`` 0: one picked here, as its listener thread binds it. Picked seconds earlier,
+        before vLLM's imports, CI once found it taken, and vLLM then waits forever for a
+        listener whose bind failed.)"""
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port or free_port())
         scheduler = self._connector_cls(self.config, self._roles.SCHEDULER, self._kv_config)
         scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
         return scheduler
