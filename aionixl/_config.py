@@ -97,6 +97,13 @@ class EngineConfig:
     #: Push reads one peer may have open on this engine (as the serving side); more are
     #: refused with a TransferError at the reader.
     max_pushes_per_peer: int = 1024
+    #: Bytes of staging slots for push reads (one block of every region per slot; at
+    #: least one slot, at most 4096 and the engine's blocks; DRAM engines only; 0: none).
+    #: A push read lands in these slots and is copied into the caller's blocks once
+    #: complete, so no byte of a read that failed can land in them later
+    #: (docs/read-modes.md). Reads larger than the slots go in rounds; concurrent push
+    #: reads share them.
+    push_staging_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
@@ -132,6 +139,9 @@ class EngineConfig:
         for name, value in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.push_staging_bytes, int) or isinstance(self.push_staging_bytes, bool) \
+                or self.push_staging_bytes < 0:
+            raise ValueError(f"push_staging_bytes must be an int >= 0, got {self.push_staging_bytes!r}")
         if not isinstance(self.connect_retries, int) or isinstance(self.connect_retries, bool) \
                 or self.connect_retries < 0:
             raise ValueError(f"connect_retries must be an int >= 0, got {self.connect_retries!r}")

@@ -49,6 +49,7 @@ from ._push import Pusher
 from ._ratelimit import RateLimitedLog
 from ._regions import IndexArray, Region, block_descriptors, describe_regions, registration_spans
 from ._results import Op, TransferResult
+from ._staging import Staging
 from ._transfers import Transfers
 from ._vllm_connect import VllmConnector
 from ._vllm_serve import VllmServer
@@ -184,6 +185,7 @@ class Engine:
         return counts
 
     def stats(self) -> dict[str, int]:
+        staging = self._local.staging
         return {
             "notifications_kept": self._mailbox.kept,
             "notifications_dropped": self._mailbox.dropped,
@@ -198,6 +200,10 @@ class Engine:
             "pushes_served": self._push.served,
             "pushes_refused": self._push.refused,
             "fence_evictions": self._peers.fenced_evictions,
+            "staging_slots": staging.slots if staging else 0,
+            "staging_stranded": staging.retired if staging else 0,
+            "staging_reclaimed": staging.reclaimed if staging else 0,
+            "push_rounds_unstaged": self._push.unstaged,
             "vllm_requests_answered": self._vllm_server.answered,
             "vllm_requests_refused": self._vllm_server.refused,
             "discovery_registrations": self._discovery.registrations if self._discovery else 0,
@@ -348,6 +354,9 @@ class Engine:
         agent = local.agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread, cfg.nixl_telemetry)
         agent.register(registration_spans(self._regions), local.mem_type)
         local.dlist = agent.prep_dlist(None, block_descriptors(self._regions), local.mem_type)
+        if cfg.push_staging_bytes and all(r.mem_type == "DRAM" for r in self._regions):
+            local.staging = Staging(self._regions, cfg.push_staging_bytes)
+            agent.register(registration_spans(local.staging.regions), "DRAM")
         local.metadata = agent.metadata()
 
     async def _run_background(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:

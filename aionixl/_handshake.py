@@ -71,6 +71,10 @@ class Handshakes:
         return (self._local.name, self._local.metadata,
                 [proto.RegionInfo.of(r) for r in self._regions], self._compat, self._compat_hash)
 
+    def _staging(self) -> list[proto.RegionInfo]:
+        slots = self._local.staging
+        return [] if slots is None else [proto.RegionInfo.of(r) for r in slots.regions]
+
     # ---- the listener -------------------------------------------------------------------
 
     async def listen(self, endpoint: str, *, task_status: anyio.abc.TaskStatus[str]) -> None:
@@ -114,7 +118,7 @@ class Handshakes:
             proto.check_peer(self._regions, self._compat, self._compat_hash, hello,
                              equal_geometry=self._config.require_equal_geometry)
             self._peers.admit(hello.name, hello.agent_metadata, hello.regions, None, hello.features,
-                              proto.clip_host(hello.host))
+                              proto.clip_host(hello.host), hello.staging)
         except proto.ProtocolError as exc:
             self._noisy.log(logging.WARNING, "bad-hello", "rejected a handshake: %s", exc)
             return proto.Reject(version, exc.code, str(exc))
@@ -126,7 +130,7 @@ class Handshakes:
                             proto.clip(repr(exc)))
             return proto.Reject(version, "internal", proto.clip(str(exc)))
         return proto.Welcome(version, *self._info(), hello.nonce, 0.0, sorted(FEATURES), self._host,
-                             self._config.require_equal_geometry)
+                             self._config.require_equal_geometry, self._staging())
 
     # ---- connecting out -----------------------------------------------------------------
 
@@ -220,7 +224,7 @@ class Handshakes:
         assert agent is not None and ctx is not None
         nonce = proto.new_nonce() if self._secret is not None else b""
         hello = proto.Hello(proto.PROTOCOL_VERSION, *self._info(), nonce, time.time(), sorted(FEATURES),
-                            self._host, self._config.require_equal_geometry)
+                            self._host, self._config.require_equal_geometry, self._staging())
         limit = self._config.max_handshake_bytes
         with life.operation():
             sock = _zmq.connect_socket(ctx, zmq.DEALER, address, limit, "peer")
@@ -256,7 +260,7 @@ class Handshakes:
                                         field=exc.field) from None
         try:
             peer = self._peers.admit(reply.name, reply.agent_metadata, reply.regions, address,
-                                     reply.features, proto.clip_host(reply.host))
+                                     reply.features, proto.clip_host(reply.host), reply.staging)
         except proto.ProtocolError as exc:
             raise RefusedError(f"unusable handshake reply from {address}: {exc}") from exc
         try:

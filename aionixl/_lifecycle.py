@@ -16,6 +16,7 @@ import zmq
 from ._errors import EngineClosedError
 from ._nixl import Agent
 from ._regions import Region, region_offsets
+from ._staging import Staging
 
 #: Engine states. Only an OPEN engine takes new transfers and peers; a DRAINING one
 #: finishes what it has; CLOSING/CLOSED refuse everything.
@@ -94,7 +95,7 @@ class LocalSide:
     """
 
     __slots__ = ("name", "regions", "num_blocks", "mem_type", "offsets", "offset_list",
-                 "bytes_per_block", "agent", "dlist", "metadata", "zctx")
+                 "bytes_per_block", "agent", "dlist", "metadata", "zctx", "staging")
 
     def __init__(self, name: str, regions: Sequence[Region]) -> None:
         self.name = name
@@ -109,3 +110,6 @@ class LocalSide:
         self.metadata = b""
         #: The zmq context handshakes use (created when the engine opens).
         self.zctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        #: Staging slots for push reads (registered when the engine opens; None: none).
+        #: Kept after close: UCX may write into them until the agent is gone.
+        self.staging: Staging | None = None

@@ -10,6 +10,19 @@ from ._parts import BlockPart, PartLists
 from ._regions import Region, region_offsets
 
 
+class RemoteSlots:
+    """A peer's staging slots (``aionixl._staging``) as we write into them: its handshake's
+    ``staging`` regions and our descriptor list for them (owned by the peer table)."""
+
+    __slots__ = ("regions", "num_blocks", "dlist", "offsets")
+
+    def __init__(self, regions: list[Region], dlist: int) -> None:
+        self.regions = tuple(regions)
+        self.num_blocks = regions[0].num_blocks
+        self.dlist = dlist
+        self.offsets = region_offsets(len(regions), self.num_blocks)
+
+
 class Peer:
     """A remote engine this engine can move blocks to and from.
 
@@ -22,7 +35,7 @@ class Peer:
 
     __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
                  "_offset_list", "_metadata", "_owner", "_connected", "_lost", "_one_block", "_foreign",
-                 "read_mode", "_push", "_revive", "_unequal", "_parts")
+                 "read_mode", "_push", "_revive", "_unequal", "_parts", "_staging")
 
     def __init__(self, owner: object, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes,
@@ -58,8 +71,11 @@ class Peer:
         #: admission): whole-block transfers are refused, block parts may fit.
         self._unequal = False
         #: Descriptor lists prepared for transfers of block parts with this peer, by
-        #: (local part, remote part); owned by the peer table, released when it drops us.
-        self._parts: dict[tuple[BlockPart | None, BlockPart | None], PartLists] = {}
+        #: (local part, remote part, into its staging slots); owned by the peer table,
+        #: released when it drops us.
+        self._parts: dict[tuple[BlockPart | None, BlockPart | None, bool], PartLists] = {}
+        #: The peer's staging slots, as we push into them (None: it announced none).
+        self._staging: RemoteSlots | None = None
 
     @property
     def bytes_per_block(self) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from ._lifecycle import LocalSide
 from ._metrics import EVICTION_CAUSES, eviction_cause
 from ._nixl import metadata_agent_name
 from ._parts import BlockPart, PartLists, check_list_size, part_descriptors, plan_parts
-from ._peer import Peer
+from ._peer import Peer, RemoteSlots
 from ._ratelimit import RateLimitedLog
 from ._regions import block_descriptors
 from ._wire import FEATURES, GOODBYE, PROBE, goodbye
@@ -87,8 +87,10 @@ class PeerTable:
 
     def admit(self, name: str, metadata: bytes, regions: Sequence[proto.RegionInfo],
               address: str | None, features: Sequence[str] = (),
-              host: dict[str, str] | None = None) -> Peer:
-        """Load a peer's metadata (or reuse what is loaded) and prepare its descriptors."""
+              host: dict[str, str] | None = None,
+              staging: Sequence[proto.RegionInfo] = ()) -> Peer:
+        """Load a peer's metadata (or reuse what is loaded) and prepare its descriptors
+        (for its blocks, and for its staging slots if it has them)."""
         agent = self._local.agent
         assert agent is not None
         existing = self.by_name.get(name)
@@ -99,6 +101,7 @@ class PeerTable:
             return existing
         # Checked before NIXL sees the metadata: loading another agent's metadata would
         # replace that agent's state under our feet.
+        proto.check_staging(regions, staging)
         embedded = metadata_agent_name(metadata)
         if embedded != name:
             raise proto.ProtocolError(
@@ -106,11 +109,20 @@ class PeerTable:
                 f"(it names {proto.clip(embedded, 80) if embedded else 'no readable agent'})")
         if existing is not None:  # same name, new incarnation
             self.drop(existing, None, PeerDisconnectedError(f"peer {name!r} restarted; connect() again"))
+        if self._local.staging is not None:
+            self._local.staging.admitted(name, metadata)
         agent.add_remote(metadata, name)
         remote = [r.to_region() for r in regions]
+        slots = [r.to_region() for r in staging]
         try:
             dlist = agent.prep_dlist(name, block_descriptors(remote), regions[0].mem_type)
         except AionixlError:
+            _attempt(agent.remove_remote, name, [])
+            raise
+        try:
+            slot_dlist = agent.prep_dlist(name, block_descriptors(slots), "DRAM") if slots else -1
+        except AionixlError:
+            _attempt(agent.release_dlist, dlist, [])
             _attempt(agent.remove_remote, name, [])
             raise
         known = frozenset(f for f in features if f in FEATURES)
@@ -122,6 +134,7 @@ class PeerTable:
         else:
             peer = Peer(self, name, address, remote, dlist, metadata, known, host, mode)
         peer._unequal = [r.block_bytes for r in remote] != [r.block_bytes for r in self._local.regions]
+        peer._staging = RemoteSlots(slots, slot_dlist) if slots else None
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer
@@ -146,12 +159,13 @@ class PeerTable:
     # ---- descriptor lists for block parts --------------------------------------------------
 
     def part_lists(self, peer: Peer, local_part: BlockPart | None,
-                   remote_part: BlockPart | None) -> PartLists:
+                   remote_part: BlockPart | None, staged: bool = False) -> PartLists:
         """The descriptor lists for moving ``local_part`` of our blocks to or from
-        ``remote_part`` of ``peer``'s, prepared on first use and kept until the peer is
-        dropped. ``ValueError`` (before anything is prepared) for parts that do not fit the
-        two geometries (see :func:`aionixl._parts.plan_parts`) or one pair too many."""
-        key = (local_part, remote_part)
+        ``remote_part`` of ``peer``'s (of its staging slots if ``staged``: the caller
+        checked it has them), prepared on first use and kept until the peer is dropped.
+        ``ValueError`` (before anything is prepared) for parts that do not fit the two
+        geometries (see :func:`aionixl._parts.plan_parts`) or one pair too many."""
+        key = (local_part, remote_part, staged)
         lists = peer._parts.get(key)
         if lists is not None:
             return lists
@@ -161,18 +175,21 @@ class PeerTable:
         if len(peer._parts) >= MAX_PART_LAYOUTS:
             raise ValueError(f"peer {peer.name!r} already has descriptor lists for "
                              f"{MAX_PART_LAYOUTS} pairs of block parts; no more are prepared")
+        target = peer._staging if staged else None
+        remote, remote_blocks = (peer.regions, peer.num_blocks) if target is None \
+            else (target.regions, target.num_blocks)
         check_list_size(local.num_blocks, plan.local, "local_part")
-        check_list_size(peer.num_blocks, plan.remote, "remote_part")
+        check_list_size(remote_blocks, plan.remote, "remote_part")
         agent = local.agent
         assert agent is not None
         mine = agent.prep_dlist(None, part_descriptors(local.regions, plan.local), local.mem_type)
         try:
-            theirs = agent.prep_dlist(peer.name, part_descriptors(peer.regions, plan.remote),
-                                      peer.regions[0].mem_type)
+            theirs = agent.prep_dlist(peer.name, part_descriptors(remote, plan.remote),
+                                      remote[0].mem_type)
         except AionixlError:
             _attempt(agent.release_dlist, mine, [])
             raise
-        lists = peer._parts[key] = PartLists(plan, mine, local.num_blocks, theirs, peer.num_blocks)
+        lists = peer._parts[key] = PartLists(plan, mine, local.num_blocks, theirs, remote_blocks)
         return lists
 
     # ---- losing peers -------------------------------------------------------------------
@@ -226,6 +243,8 @@ class PeerTable:
             _attempt(agent.release_dlist, lists.local, sink)
             _attempt(agent.release_dlist, lists.remote, sink)
         peer._parts.clear()
+        if peer._staging is not None:
+            _attempt(agent.release_dlist, peer._staging.dlist, sink)
         _attempt(agent.release_dlist, peer._dlist, sink)
         _attempt(agent.remove_remote, peer.name, sink)
         if problems is None and sink:

@@ -71,6 +71,9 @@ class _EngineInfo(msgspec.Struct, frozen=True):
     #: (``EngineConfig.require_equal_geometry``): the receiver then refuses such a peer
     #: too, so that no listener keeps a peer whose client refused its Welcome.
     equal_geometry: bool = False
+    #: The sender's staging slots for push reads (``aionixl._staging``): one region per
+    #: block region, same bytes per block, DRAM; empty when it has none.
+    staging: list[RegionInfo] = msgspec.field(default_factory=list)
 
 
 class Hello(_EngineInfo, frozen=True, tag="hello"):
@@ -309,3 +312,22 @@ def check_peer(ours: Sequence[Region], our_compat: Mapping[str, str], our_hash: 
                      equal_geometry=equal_geometry or peer.equal_geometry)
     if [r.block_bytes for r in ours] == [r.block_bytes for r in peer.regions]:
         check_hash(our_hash, peer.compat_hash)
+
+
+#: The most staging slots a peer may announce (a bound on the descriptors we prepare).
+MAX_STAGING_SLOTS = 1 << 16
+
+
+def check_staging(regions: Sequence[RegionInfo], staging: Sequence[RegionInfo]) -> None:
+    """A peer's staging slots mirror its regions: ``ProtocolError`` otherwise."""
+    if not staging:
+        return
+    if len(staging) != len(regions):
+        raise ProtocolError(f"{len(staging)} staging regions for {len(regions)} regions")
+    slots = staging[0].num_blocks
+    if not 1 <= slots <= MAX_STAGING_SLOTS:
+        raise ProtocolError(f"staging slots out of range: {slots}")
+    for i, (s, r) in enumerate(zip(staging, regions, strict=True)):
+        if s.block_bytes != r.block_bytes or s.num_blocks != slots or s.mem_type != "DRAM" \
+                or s.stride < s.block_bytes:
+            raise ProtocolError(f"staging region {i} does not mirror region {i} in DRAM")

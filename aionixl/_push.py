@@ -14,7 +14,8 @@ The exchange, all over reserved NIXL notifications (their formats are in
   announces ``PARTS_FEATURE``). The server accepts it only from an admitted peer,
   validates every id (and plans parts against both geometries itself, with part lists
   from the peer table's cache, as a reader's are), bounds the requests one peer may have
-  open, and writes the blocks into the reader's memory in chunks of ``push_chunk_bytes``,
+  open, and writes the blocks into the reader's memory (its staging slots when the request
+  says ``staged``: :mod:`aionixl._staging`) in chunks of ``push_chunk_bytes``,
   one NIXL WRITE at a time, each tracked in the engine's in-flight table (so close,
   eviction and drops release it like any transfer) under the push's deadline.
 - The last chunk carries ``PDONE`` + id. NIXL sends a transfer's notification only once
@@ -32,7 +33,9 @@ The exchange, all over reserved NIXL notifications (their formats are in
   ``push_cancel_timeout`` evicts the peer (``remove_remote_agent``). That does not stop a
   chunk already under way over UCX tcp: UCX keeps the socket it arrives on open for
   receiving, so against a server stopped or cut off mid-chunk the rest of that one chunk can
-  land once it runs or is reachable again (docs/read-modes.md, "Known gap").
+  land once it runs or is reachable again. Hence staging: it lands in slots the reader
+  keeps out of use until the server's late ``PGONE`` (sent once a stuck chunk ended) says
+  nothing more will (docs/read-modes.md).
 
 Where a one-sided GET is native the engine reads with it instead; the choice is
 :func:`aionixl._hostfacts.choose_read_mode`, the GET fence is in :mod:`aionixl._post`.
@@ -68,6 +71,7 @@ from ._peers import PeerTable
 from ._ratelimit import RateLimitedLog
 from ._regions import IndexArray, descriptor_indices
 from ._results import TransferResult
+from ._staging import Ids
 from ._wire import (
     MAX_PUSH_REQUEST,
     PCANCEL,
@@ -77,6 +81,7 @@ from ._wire import (
     PUSH,
     PUSH_FAMILY,
     RESERVED,
+    STAGED_FEATURE,
     PushRequest,
     decode_push_error,
     decode_push_request,
@@ -98,16 +103,23 @@ def _part(wire: tuple[int, int, int] | None) -> BlockPart | None:
 
 _OPEN, _DONE, _GONE, _FAILED = 0, 1, 2, 3
 
+#: How long a push chunk still moving after its read's deadline is waited for, so that
+#: its end can be confirmed to the reader (which reuses its staging slots then).
+STUCK_CHUNK_WAIT = 60.0
+
 
 class _Read:
     """One push read this engine asked for, until the server says nothing more will land."""
 
-    __slots__ = ("peer", "rid", "state", "error", "event")
+    __slots__ = ("peer", "rid", "staged", "state", "confirmed", "error", "event")
 
-    def __init__(self, peer: Peer, rid: int) -> None:
+    def __init__(self, peer: Peer, rid: int, staged: bool = False) -> None:
         self.peer = peer
         self.rid = rid
+        self.staged = staged  # into our staging slots, not our blocks
         self.state = _OPEN
+        #: The server said nothing more of it will land (PDONE, PGONE or PERR).
+        self.confirmed = False
         self.error: AionixlError | None = None
         self.event = anyio.Event()
 
@@ -122,14 +134,15 @@ class _Read:
 class _Job:
     """One push this engine serves: the chunks still to write into a peer's blocks."""
 
-    __slots__ = ("peer", "rid", "chunks", "parts", "deadline", "notify", "cancelled", "wake")
+    __slots__ = ("peer", "rid", "chunks", "parts", "dlist", "deadline", "notify", "cancelled", "wake")
 
     def __init__(self, peer: Peer, rid: int, chunks: list[tuple[IndexArray, IndexArray]],
-                 parts: PartLists | None, deadline: float, notify: bytes) -> None:
+                 parts: PartLists | None, dlist: int, deadline: float, notify: bytes) -> None:
         self.peer = peer
         self.rid = rid
         self.chunks = chunks
         self.parts = parts  # the lists the chunks index, for parts of blocks; else whole blocks
+        self.dlist = dlist  # for whole blocks: the reader's blocks, or its staging slots
         self.deadline = deadline
         self.notify = notify
         self.cancelled = False
@@ -157,6 +170,7 @@ class Pusher:
         self._closing = False
         self.served = 0  # pushes completed for peers (stats)
         self.refused = 0  # push requests refused (stats)
+        self.unstaged = 0  # push read rounds that landed directly: every staging slot retired
 
     @property
     def active(self) -> bool:
@@ -183,20 +197,70 @@ class Pusher:
                    parts: tuple[BlockPart | None, BlockPart | None] | None = None) -> TransferResult:
         """Ask ``peer`` to write its blocks into ours; return once they landed. ``parts``
         (our part, the peer's part) asks for parts of blocks; the peer must announce
-        ``PARTS_FEATURE`` (the caller checks)."""
-        agent = self._local.agent
-        assert agent is not None
+        ``PARTS_FEATURE`` (the caller checks).
+
+        With staging slots (``aionixl._staging``) and a peer that writes into them, the
+        blocks land there first, in rounds of at most the usable slots, and are copied into
+        ours as each round completes."""
         limit = self._config.transfer_timeout if timeout is None else timeout
         started = time.perf_counter()
+        end = anyio.current_time() + limit
         # Region 0 comes first in region-major descriptor indices: its entries are the ids.
-        dst = np.asarray(local_idx[:nblocks], dtype="<i4").tobytes()
-        src = np.asarray(remote_idx[:nblocks], dtype="<i4").tobytes()
-        rid = next(self._ids)
+        dst = np.asarray(local_idx[:nblocks], dtype=np.int64)
+        src = np.asarray(remote_idx[:nblocks], dtype=np.int64)
         dst_part, src_part = (None, None) if parts is None else parts
-        request = push_request(PushRequest(rid, dst, src, float(limit), notify,
+        staging = self._local.staging if STAGED_FEATURE in peer.features else None
+        done = 0
+        while done < nblocks:
+            slots = None
+            n = nblocks - done
+            if staging is not None and staging.usable:
+                n = min(n, staging.usable)
+                with anyio.move_on_after(max(0.0, end - anyio.current_time())):
+                    slots = await staging.acquire(n)
+                    if slots is None:
+                        continue  # slots were retired meanwhile: fewer per round
+                if slots is None:
+                    raise self._timed_out(peer, limit)
+            elif staging is not None:
+                self.unstaged += 1
+                self._noisy.log(logging.WARNING, "staging-spent", "every staging slot is retired: "
+                                "a push read from %r lands in its blocks directly", peer.name)
+            rec = _Read(peer, next(self._ids), slots is not None)
+            ours = dst[done:done + n]
+            try:
+                await self._round(rec, ours if slots is None else slots, src[done:done + n],
+                                  notify if done + n == nblocks else b"", end, limit,
+                                  dst_part, src_part)
+                if slots is not None:
+                    staging.copy_out(slots, ours, dst_part)  # type: ignore[union-attr]
+            finally:
+                if slots is not None:
+                    staging.settle(slots, rec.confirmed, peer.name, rec.rid, peer._metadata)  # type: ignore[union-attr]
+            done += n
+        nbytes = nblocks * self._local.bytes_per_block
+        return TransferResult(nblocks, nbytes, time.perf_counter() - started)
+
+    @staticmethod
+    def _timed_out(peer: Peer, limit: float) -> TransferTimeoutError:
+        return TransferTimeoutError(f"transfer to {peer.name!r} did not finish within {limit} s; "
+                                    "it was aborted")
+
+    async def _round(self, rec: _Read, dst: Ids, src: Ids, notify: bytes, end: float,
+                     limit: float, dst_part: BlockPart | None, src_part: BlockPart | None) -> None:
+        """One push request: ``dst`` are our block ids, or staging slot ids when ``rec``
+        reads into staging (``rec.staged``); returns once it all landed, by ``end``."""
+        peer, rid = rec.peer, rec.rid
+        agent = self._local.agent
+        assert agent is not None
+        left = end - anyio.current_time()
+        if left <= 0:
+            raise self._timed_out(peer, limit)
+        request = push_request(PushRequest(rid, dst.astype("<i4").tobytes(), src.astype("<i4").tobytes(),
+                                           float(left), notify,
                                            None if dst_part is None else dst_part.as_tuple(),
-                                           None if src_part is None else src_part.as_tuple()))
-        rec = _Read(peer, rid)
+                                           None if src_part is None else src_part.as_tuple(),
+                                           rec.staged))
         self.reads[rid] = rec
         try:
             agent.send_notif(peer.name, request)
@@ -208,7 +272,7 @@ class Pusher:
             raise
         self._wake_drainer()
         try:
-            with anyio.fail_after(limit if math.isfinite(limit) else None):
+            with anyio.fail_after(left if math.isfinite(left) else None):
                 await rec.event.wait()
         except BaseException as exc:
             if rec.state == _OPEN and not self._closing:
@@ -217,17 +281,13 @@ class Pusher:
             if not isinstance(exc, TimeoutError):
                 raise
             if rec.state != _DONE:  # (data that landed just as time ran out still counts)
-                raise TransferTimeoutError(
-                    f"transfer to {peer.name!r} did not finish within {limit} s; it was "
-                    "aborted") from None
+                raise self._timed_out(peer, limit) from None
         finally:
             if not self._closing:  # a closing engine fences what is left in close()
                 self.reads.pop(rid, None)
         if rec.state != _DONE:
             error = rec.error or TransferError(f"push read from {peer.name!r} ended without data")
             raise type(error)(str(error)) from error.__cause__
-        nbytes = nblocks * self._local.bytes_per_block
-        return TransferResult(nblocks, nbytes, time.perf_counter() - started)
 
     async def _fence(self, rec: _Read) -> None:
         """The caller left early: make sure no more of this read lands, or evict the peer."""
@@ -285,8 +345,11 @@ class Pusher:
                 return True
             rec = self.reads.get(err.rid)
             if rec is not None and rec.peer.name == name:
+                rec.confirmed = True
                 rec.settle(_FAILED, TransferError(
                     f"peer {name!r} refused or stopped the read: {err.reason[:300]}"))
+            elif self._local.staging is not None:
+                self._local.staging.confirmed_late(name, err.rid)
         elif message.startswith(PCANCEL):
             self._cancel(name, message[len(PCANCEL):])
         else:
@@ -294,9 +357,13 @@ class Pusher:
         return True
 
     def _settle(self, name: str, payload: bytes, state: int) -> None:
-        rec = self.reads.get(rid_of(payload))
+        rid = rid_of(payload)
+        rec = self.reads.get(rid)
         if rec is not None and rec.peer.name == name:
+            rec.confirmed = True
             rec.settle(state)
+        elif self._local.staging is not None:
+            self._local.staging.confirmed_late(name, rid)
 
     def _cancel(self, name: str, payload: bytes) -> None:
         rid = rid_of(payload)
@@ -339,7 +406,7 @@ class Pusher:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(peer, 0, f"malformed push request: {exc}")
         try:
-            chunks, parts = self._chunks(peer, req)
+            chunks, parts, dlist = self._chunks(peer, req)
         except (ValueError, AionixlError) as exc:
             return self._refuse(peer, req.rid, str(exc))
         key = (name, req.rid)
@@ -351,15 +418,16 @@ class Pusher:
         if self._tg is None or self._closing:
             return self._refuse(peer, req.rid, "the engine is closing")
         limit = min(req.timeout, self._config.transfer_timeout) + self._config.push_cancel_timeout
-        job = _Job(peer, req.rid, chunks, parts, anyio.current_time() + limit, req.notify)
+        job = _Job(peer, req.rid, chunks, parts, dlist, anyio.current_time() + limit, req.notify)
         self.jobs[key] = job
         self._per_peer[name] = self._per_peer.get(name, 0) + 1
         self._tg.start_soon(self._push, job)
 
     def _chunks(self, peer: Peer, req: PushRequest
-                ) -> tuple[list[tuple[IndexArray, IndexArray]], PartLists | None]:
+                ) -> tuple[list[tuple[IndexArray, IndexArray]], PartLists | None, int]:
         """Validate every id and part of a request; the (source, destination) indices per
-        chunk, and the part lists they index (None: the whole-block lists)."""
+        chunk, the part lists they index (None: whole blocks), and for whole blocks the
+        reader's list they index (its blocks', or its staging slots')."""
         if req.rid < 0 or req.rid >= 2**63:
             raise ValueError("bad request id")
         if not req.timeout > 0:  # also refuses NaN
@@ -371,26 +439,31 @@ class Pusher:
         dst = np.frombuffer(req.dst, dtype="<i4").astype(np.int32)
         src = np.frombuffer(req.src, dtype="<i4").astype(np.int32)
         own_blocks = self._local.num_blocks
-        if dst.min() < 0 or dst.max() >= peer.num_blocks:
-            raise ValueError(f"destination block id out of range [0, {peer.num_blocks})")
+        slots = peer._staging
+        if req.staged and slots is None:
+            raise ValueError("a read into staging slots, but the reader announced none")
+        dst_blocks, dst_offsets, dst_dlist = (slots.num_blocks, slots.offsets, slots.dlist) \
+            if req.staged and slots is not None else (peer.num_blocks, peer._offsets, peer._dlist)
+        if dst.min() < 0 or dst.max() >= dst_blocks:
+            raise ValueError(f"destination block id out of range [0, {dst_blocks})")
         if src.min() < 0 or src.max() >= own_blocks:
             raise ValueError(f"source block id out of range [0, {own_blocks})")
         if dst.size > 1 and np.unique(dst).size != dst.size:
             raise ValueError("destination names the same block more than once")
         if req.dst_part is not None or req.src_part is not None:
             # Our blocks are the source: our part is the "local" one of the pair.
-            parts = self._peers.part_lists(peer, _part(req.src_part), _part(req.dst_part))
+            parts = self._peers.part_lists(peer, _part(req.src_part), _part(req.dst_part), req.staged)
             per_chunk = max(1, self._config.push_chunk_bytes // parts.nbytes)
             return [parts.indices(src[i:i + per_chunk], dst[i:i + per_chunk])
-                    for i in range(0, dst.size, per_chunk)], parts
+                    for i in range(0, dst.size, per_chunk)], parts, -1
         if peer._unequal:
             raise ValueError(f"whole blocks cannot be pushed: block sizes differ (ours "
                              f"{[r.block_bytes for r in self._local.regions]}, the reader's "
                              f"{list(peer.bytes_per_block)})")
         per_chunk = max(1, self._config.push_chunk_bytes // self._local.bytes_per_block)
         return [(descriptor_indices(self._local.offsets, src[i:i + per_chunk]),
-                 descriptor_indices(peer._offsets, dst[i:i + per_chunk]))
-                for i in range(0, dst.size, per_chunk)], None
+                 descriptor_indices(dst_offsets, dst[i:i + per_chunk]))
+                for i in range(0, dst.size, per_chunk)], None, dst_dlist
 
     async def _push(self, job: _Job) -> None:
         """Write a job's chunks one at a time; confirm how it ended."""
@@ -409,7 +482,7 @@ class Pusher:
                 try:
                     handle, status = agent.start_xfer(
                         "write", self._local.dlist if parts is None else parts.local, src,
-                        peer._dlist if parts is None else parts.remote, dst,
+                        job.dlist if parts is None else parts.remote, dst,
                         PDONE + rid_bytes(rid) if last else b"", self._config.inline_polls)
                 except PeerDisconnectedError as exc:
                     self._peers.evict(peer, exc)
@@ -423,20 +496,28 @@ class Pusher:
                 if status != PROC:
                     rec.finish(status, TransferError("NIXL reported the write failed (ERR)"))
                 table.add(handle, rec, status == PROC)
-                timed_out = False
+                timed_out = given_up = False
                 try:
                     with anyio.move_on_after(max(0.0, job.deadline - anyio.current_time())):
                         await rec.event.wait()
-                    timed_out = not rec.event.is_set()
+                    if not rec.event.is_set():
+                        # A chunk stuck past the deadline (a cut link, or we were stopped):
+                        # the reader has given up, and evicts us if need be. UCX cannot abort
+                        # the chunk; once it ends, saying so lets the reader reuse the
+                        # staging slots it was landing in.
+                        timed_out = True
+                        with anyio.move_on_after(STUCK_CHUNK_WAIT):
+                            await rec.event.wait()
+                        given_up = True
                 finally:
                     # Cancelled (the engine is closing): leave the record to close(), which
                     # lets moving transfers finish before it releases them.
-                    if rec.event.is_set() or timed_out:
+                    if rec.event.is_set() or given_up:
                         table.take(handle, rec)
                 if timed_out:
-                    # A chunk stuck past the deadline (cut link): no confirmation; the
-                    # reader's own deadline has passed and it evicts us if need be.
                     self._noisy.log(logging.WARNING, "push-timeout", "push to %r timed out", peer.name)
+                    if rec.event.is_set():
+                        self._send(peer, PGONE + rid_bytes(rid))
                     return
                 if rec.status != DONE:
                     if peer.connected and rec.error is not None \

@@ -38,9 +38,14 @@ PUSH_FEATURE = "push-read"
 #: and push whole blocks, so such reads are never sent to it.
 PARTS_FEATURE = "push-parts"
 
+#: The feature a peer announces when it serves push requests into the reader's staging
+#: slots (``PushRequest.staged``; the slots' geometry comes in the reader's handshake).
+STAGED_FEATURE = "push-staged"
+
 #: Features this engine speaks, announced in the handshake. A peer uses one only when the
 #: other side announced it too.
-FEATURES: frozenset[str] = frozenset({MULTI_NOTIFY, PUSH_FEATURE, TAGGED_NOTIFY, PARTS_FEATURE})
+FEATURES: frozenset[str] = frozenset({MULTI_NOTIFY, PUSH_FEATURE, TAGGED_NOTIFY, PARTS_FEATURE,
+                                      STAGED_FEATURE})
 
 # ---- push reads: reader -> server PUSH and PCANCEL; server -> reader PDONE, PERR, PGONE ----
 
@@ -66,6 +71,8 @@ class PushRequest(msgspec.Struct, frozen=True, array_like=True):
     #: Absent from the requests of engines before ``PARTS_FEATURE`` (whole blocks).
     dst_part: tuple[int, int, int] | None = None  # of the reader's blocks
     src_part: tuple[int, int, int] | None = None  # of the server's blocks
+    #: ``dst`` names the reader's staging slots, not its blocks (``STAGED_FEATURE``).
+    staged: bool = False
 
 
 class PushError(msgspec.Struct, frozen=True, array_like=True):

@@ -195,7 +195,8 @@ async def test_killed_peer_is_evicted_and_a_restart_on_its_port_is_reachable(
         # Evicted: gone from peers, its descriptors and remote agent released.
         assert not peer.connected and name not in eng.peers
         live = eng.live_resources()
-        assert live["remote_agents"] == 1 and live["dlists"] == 2  # ours + the bystander's
+        # ours, and the bystander's two (its blocks, its staging slots)
+        assert live["remote_agents"] == 1 and live["dlists"] == 3
         assert live["transfer_handles"] == 0 and live["in_flight"] == 0
         assert eng.stats()["peers_evicted"] == 1
         with pytest.raises(aionixl.PeerDisconnectedError, match="connect"):

@@ -266,7 +266,7 @@ async def test_unknown_and_disconnected_peers_are_refused() -> None:
         after = eng.live_resources()
         assert not peer.connected and eng.peers == {}
         assert after["remote_agents"] == before["remote_agents"] - 1
-        assert after["dlists"] == before["dlists"] - 1
+        assert after["dlists"] == before["dlists"] - 2  # its blocks' and its staging slots'
         with pytest.raises(ValueError, match="disconnected"):
             await eng.transfer_blocks(peer, [0], [0])
         with pytest.raises(ValueError):

@@ -160,8 +160,10 @@ async def test_a_push_read_past_max_pushes_per_peer_is_refused(monkeypatch: pyte
     blocks, block_bytes = 256, 16 << 10
     src_cache = numpy_cache(blocks, block_bytes, 1, seed=5)
     dst_cache = numpy_cache(blocks, block_bytes, 1)
+    # No staging slots: the two reads would take all 256 (as many as the engine has
+    # blocks), and the reader would hold the third back itself, never asking the server.
     config = aionixl.EngineConfig(read_mode="push", push_chunk_bytes=block_bytes,
-                                  max_pushes_per_peer=2, inline_polls=0)
+                                  max_pushes_per_peer=2, inline_polls=0, push_staging_bytes=0)
     async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
         assert peer.read_mode == "push"
         await dst.transfer_blocks(peer, [0, 1], [0, 1], timeout=20)  # wired up

@@ -85,7 +85,8 @@ class Harness:
         peers = self.portal.call(lambda: dict(self.listener.peers))
         assert len(peers) == legit, f"listener admitted peers it should not have: {sorted(peers)}"
         assert res["remote_agents"] == legit, f"stray NIXL remote agents on the listener: {res}"
-        assert res["dlists"] == 1 + legit, f"stray descriptor lists on the listener: {res}"
+        # Ours, and two a peer: its blocks' and its staging slots'.
+        assert res["dlists"] == 1 + 2 * legit, f"stray descriptor lists on the listener: {res}"
         assert res["transfer_handles"] == 0 and res["in_flight"] == 0, res
 
     def roundtrip(self, fresh: bool = True, timeout: float = 10.0) -> float:

@@ -412,7 +412,8 @@ async def test_part_lists_are_released_with_the_peer_and_at_close() -> None:
                 await dst_engine.transfer_blocks(peer, [0], [1], remote_part=BlockPart(rank, 2))
         assert dst_engine.live_resources()["dlists"] == base + 4
         await dst_engine.disconnect(peer)
-        assert dst_engine.live_resources()["dlists"] == base - 1  # and the peer's own list
+        # ... and the peer's own lists: its blocks' and its staging slots'
+        assert dst_engine.live_resources()["dlists"] == base - 2
     assert_no_resources(dst_engine)
 
 

@@ -1,0 +1,141 @@
+"""Staging slots: where a push read's bytes land before they are the caller's.
+
+Why: UCX cannot stop a WRITE already posted, and over UCX tcp an evicted peer's socket
+still delivers (docs/read-modes.md). A server stopped or cut off mid-chunk could then land
+the rest of that chunk in the caller's blocks after the read had failed. So a reader asks
+the server to write into slots of its own, copies them into the caller's blocks only once
+the server said the read is complete, and frees a slot only when the server confirmed that
+nothing more of its read will land. A slot whose read ended unconfirmed is stranded: late
+bytes can land there and nowhere else. It comes back when the server confirms late (it
+does once the chunk it had under way ended) or when an engine of its name handshakes anew.
+
+The slots mirror this engine's regions (one block of each region per slot), so the server
+addresses them as it would our blocks; they live in one DRAM buffer the engine registers
+with NIXL and announces in its handshake.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from ._parts import BlockPart
+from ._regions import Region
+
+Ids = npt.NDArray[np.int64]
+
+#: The most slots an engine has: reads of more blocks go in rounds.
+MAX_SLOTS = 4096
+
+
+def _block_view(region: Region) -> npt.NDArray[np.uint8]:
+    """A writable [num_blocks, block_bytes] view of a DRAM region's blocks."""
+    span = (region.num_blocks - 1) * region.stride + region.block_bytes
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(region.base))
+    return np.lib.stride_tricks.as_strided(flat, shape=(region.num_blocks, region.block_bytes),
+                                           strides=(region.stride, 1), writeable=True)
+
+
+class Staging:
+    """An engine's staging slots for push reads, and the blocks they are copied into.
+
+    ``budget`` bytes of slots: at least one, at most as many as the engine has blocks or
+    ``MAX_SLOTS`` (each peer prepares a descriptor per slot and region). Only for engines
+    whose regions are all DRAM: the copy out is a host memcpy.
+    """
+
+    def __init__(self, regions: Sequence[Region], budget: int) -> None:
+        per_slot = sum(r.block_bytes for r in regions)
+        self.slots = max(1, min(budget // per_slot, regions[0].num_blocks, MAX_SLOTS))
+        self._buffer = np.zeros(self.slots * per_slot, dtype=np.uint8)
+        base = self._buffer.ctypes.data
+        self.regions: tuple[Region, ...] = ()
+        self._views: list[npt.NDArray[np.uint8]] = []
+        offset = 0
+        for r in regions:
+            size = self.slots * r.block_bytes
+            self.regions += (Region(base + offset, r.block_bytes, r.block_bytes, self.slots, "DRAM", 0),)
+            self._views.append(self._buffer[offset:offset + size].reshape(self.slots, r.block_bytes))
+            offset += size
+        self._targets = [_block_view(r) for r in regions]
+        self._free: list[int] = list(range(self.slots - 1, -1, -1))
+        #: Slots of rounds that ended unconfirmed, by (server name, request id), with the
+        #: NIXL metadata of the server's agent then.
+        self._stranded: dict[tuple[str, int], tuple[Ids, bytes]] = {}
+        self.retired = 0  # slots stranded now
+        self.reclaimed = 0  # slots given back by a late confirmation or a server's restart
+        self._changed = anyio.Event()
+
+    @property
+    def usable(self) -> int:
+        """Slots not retired: the most one round of a read can take."""
+        return self.slots - self.retired
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    async def acquire(self, n: int) -> Ids | None:
+        """``n`` free slots, waiting for readers before us to give theirs back; None when
+        fewer than ``n`` are usable any more (retired meanwhile)."""
+        while len(self._free) < n:
+            if n > self.usable:
+                return None
+            changed = self._changed
+            await changed.wait()
+        taken = self._free[-n:]
+        del self._free[-n:]
+        return np.array(taken, dtype=np.int64)
+
+    def settle(self, slots: Ids, confirmed: bool, server: str, rid: int, metadata: bytes) -> None:
+        """Round ``rid`` from ``server`` (whose agent's metadata is ``metadata``) ended:
+        its slots are free again if the server confirmed that nothing more of it will
+        land, else stranded until it does."""
+        if confirmed:
+            self._give_back(slots)
+        else:
+            self._stranded[(server, rid)] = (slots, metadata)
+            self.retired += int(slots.size)
+            self._wake()  # fewer usable: a reader waiting for more than are left gives up
+
+
+    def confirmed_late(self, server: str, rid: int) -> None:
+        """The server confirmed round ``rid`` after the reader had given up on it."""
+        entry = self._stranded.pop((server, rid), None)
+        if entry is not None:
+            self._reclaim(entry[0])
+
+    def admitted(self, server: str, metadata: bytes) -> None:
+        """An engine of ``server``'s name handshook with agent ``metadata``. Another agent
+        than the one a round was stranded by means a new process: the old one is gone (a
+        name is one engine at a time), and what it had sent was delivered long before its
+        successor could handshake."""
+        for key in [k for k, (_, md) in self._stranded.items() if k[0] == server and md != metadata]:
+            self._reclaim(self._stranded.pop(key)[0])
+
+    def _reclaim(self, slots: Ids) -> None:
+        self.retired -= int(slots.size)
+        self.reclaimed += int(slots.size)
+        self._give_back(slots)
+
+    def _give_back(self, slots: Ids) -> None:
+        self._free.extend(slots.tolist())
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def copy_out(self, slots: Ids, ids: Ids, part: BlockPart | None) -> None:
+        """Slots ``slots`` into our blocks ``ids``: every region's block, or ``part`` of it."""
+        for view, target in zip(self._views, self._targets, strict=True):
+            if part is None:
+                target[ids] = view[slots]
+            else:
+                for start, length in part.runs(view.shape[1], "staging"):
+                    end = start + length
+                    target[ids, start:end] = view[slots, start:end]
