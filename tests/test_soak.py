@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from aionixl._soak._worker import THEIRS
 from aionixl.testing._etcd import etcd_binary
 
 pytestmark = [
@@ -51,17 +50,12 @@ def test_a_60_second_soak_of_32_engines_under_every_fault_kind_keeps_every_invar
     assert isinstance(summary["violations"], int)
     assert summary["violations"] == sum(summary["violations_by_kind"].values())
     assert done.returncode == (1 if summary["violations"] else 0), done.stderr[-3000:]
-    # Every violation must be the one documented gap (docs/read-modes.md, "Known gap"): late
-    # bytes after a push read from a server stopped or cut off mid-chunk, which are that
-    # server's own bytes and at most one chunk (here a whole read: 4 blocks of 16 KiB).
-    # Anything else fails: an engine that died or could not restart, an untyped error, an
-    # error later than its deadline + 1 s, bytes that do not verify, resources or threads
-    # left after a close.
-    others = {kind: n for kind, n in summary["violations_by_kind"].items() if kind != "late_bytes"}
-    assert not others, details
-    for found in summary["violation_details"]:
-        assert THEIRS in found["detail"], details
-        assert found["blocks"] <= 4, details
+    # None at all: an engine that died or could not restart, an untyped error, an error later
+    # than its deadline + 1 s, bytes that do not verify, late bytes in a block after its read
+    # failed (push reads land in staging slots first: docs/read-modes.md), resources or
+    # threads left after a close.
+    assert summary["violations"] == 0, details
+    assert summary["push_rounds_unstaged"] == 0, summary  # no read went without staging
     assert summary["engines_closed_clean"] == 32
     plot = report.with_suffix(".png")
     assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -40,6 +40,11 @@ FAULT_WEIGHTS = {"sigkill": 3, "sigstop": 3, "link_cut": 2, "etcd_restart": 1}
 #: of seconds of CPU), and all of them at once on a small machine would push some past their
 #: start (or graceful stop) timeout.
 STARTS_AT_ONCE = 4
+#: What each engine's stats() says at the end, summed into the report: how often a read
+#: ended unconfirmed (its staging slots stranded, a late byte's only place to land) and
+#: how often the server's late word gave them back.
+ENGINE_STATS = ("fence_evictions", "peers_evicted", "staging_stranded", "staging_reclaimed",
+                "push_rounds_unstaged")
 
 #: Seconds a failed read's destination is watched beyond the longest deadline: late bytes
 #: of a server stopped or cut off for up to 3-4 s come once it runs or its link is back,
@@ -166,6 +171,8 @@ class Soak:
             "options": asdict(o), "engine_restarts": self.restarts,
             "restart_retries": self.restart_retries,
             "engines_closed_clean": sum(1 for s in self.stops if s["clean"]),
+            # As the engines running at the end counted them (a restart starts at zero).
+            **{k: sum(s.get(k, 0) for s in self.stops) for k in ENGINE_STATS},
             "engine_stops": self.stops, "startup_s": round(up - started, 2),
             "teardown_s": round(time.time() - soaked, 2)})
         return summary
@@ -292,8 +299,13 @@ class Soak:
             self.stops.append({"engine": name, "clean": False, "kind": "down"})
             return
         was_running = engine.running
+        stats: dict[str, int] = {}
+        if was_running:
+            with anyio.move_on_after(10), contextlib.suppress(Exception):
+                stats = await engine.stats()
         died = await engine.aclose()
-        report: dict[str, Any] = {"engine": name, "clean": died is None and was_running}
+        report: dict[str, Any] = {"engine": name, "clean": died is None and was_running,
+                                  **{k: stats[k] for k in ENGINE_STATS if k in stats}}
         if died is not None:
             kind = "stop_failed"
             threads_left = getattr(died, "threads_left", 0)
