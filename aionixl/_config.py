@@ -101,8 +101,8 @@ class EngineConfig:
     #: least one slot, at most 4096 and the engine's blocks; DRAM engines only; 0: none).
     #: A push read lands in these slots and is copied into the caller's blocks once
     #: complete, so no byte of a read that failed can land in them later
-    #: (docs/read-modes.md). Reads larger than the slots go in rounds; concurrent push
-    #: reads share them.
+    #: (docs/read-modes.md). A round takes at most half of the slots, so larger reads go
+    #: in rounds; concurrent push reads share them, first come first served.
     push_staging_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:

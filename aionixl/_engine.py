@@ -203,7 +203,7 @@ class Engine:
             "staging_slots": staging.slots if staging else 0,
             "staging_stranded": staging.retired if staging else 0,
             "staging_reclaimed": staging.reclaimed if staging else 0,
-            "push_rounds_unstaged": self._push.unstaged,
+            "staging_exhausted": self._push.exhausted,
             "vllm_requests_answered": self._vllm_server.answered,
             "vllm_requests_refused": self._vllm_server.refused,
             "discovery_registrations": self._discovery.registrations if self._discovery else 0,

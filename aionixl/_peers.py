@@ -109,8 +109,6 @@ class PeerTable:
                 f"(it names {proto.clip(embedded, 80) if embedded else 'no readable agent'})")
         if existing is not None:  # same name, new incarnation
             self.drop(existing, None, PeerDisconnectedError(f"peer {name!r} restarted; connect() again"))
-        if self._local.staging is not None:
-            self._local.staging.admitted(name, metadata)
         agent.add_remote(metadata, name)
         remote = [r.to_region() for r in regions]
         slots = [r.to_region() for r in staging]
@@ -135,6 +133,8 @@ class PeerTable:
             peer = Peer(self, name, address, remote, dlist, metadata, known, host, mode)
         peer._unequal = [r.block_bytes for r in remote] != [r.block_bytes for r in self._local.regions]
         peer._staging = RemoteSlots(slots, slot_dlist) if slots else None
+        if self._local.staging is not None:  # once admitted: a refused impostor frees nothing
+            self._local.staging.admitted(name, metadata)
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer

@@ -329,5 +329,6 @@ def check_staging(regions: Sequence[RegionInfo], staging: Sequence[RegionInfo]) 
         raise ProtocolError(f"staging slots out of range: {slots}")
     for i, (s, r) in enumerate(zip(staging, regions, strict=True)):
         if s.block_bytes != r.block_bytes or s.num_blocks != slots or s.mem_type != "DRAM" \
-                or s.stride < s.block_bytes:
+                or s.stride < s.block_bytes or s.device != 0 or s.base <= 0 \
+                or s.base + slots * s.stride >= 2**64:
             raise ProtocolError(f"staging region {i} does not mirror region {i} in DRAM")

@@ -71,7 +71,7 @@ from ._peers import PeerTable
 from ._ratelimit import RateLimitedLog
 from ._regions import IndexArray, descriptor_indices
 from ._results import TransferResult
-from ._staging import Ids
+from ._staging import Ids, Staging
 from ._wire import (
     MAX_PUSH_REQUEST,
     PCANCEL,
@@ -111,12 +111,13 @@ STUCK_CHUNK_WAIT = 60.0
 class _Read:
     """One push read this engine asked for, until the server says nothing more will land."""
 
-    __slots__ = ("peer", "rid", "staged", "state", "confirmed", "error", "event")
+    __slots__ = ("peer", "rid", "staged", "sent", "state", "confirmed", "error", "event")
 
     def __init__(self, peer: Peer, rid: int, staged: bool = False) -> None:
         self.peer = peer
         self.rid = rid
         self.staged = staged  # into our staging slots, not our blocks
+        self.sent = False  # the request left: the server may write
         self.state = _OPEN
         #: The server said nothing more of it will land (PDONE, PGONE or PERR).
         self.confirmed = False
@@ -170,7 +171,8 @@ class Pusher:
         self._closing = False
         self.served = 0  # pushes completed for peers (stats)
         self.refused = 0  # push requests refused (stats)
-        self.unstaged = 0  # push read rounds that landed directly: every staging slot retired
+        self.exhausted = 0  # push reads refused: every staging slot was stranded
+        self._close_error: AionixlError | None = None  # set once the engine is closing
 
     @property
     def active(self) -> bool:
@@ -212,34 +214,54 @@ class Pusher:
         staging = self._local.staging if STAGED_FEATURE in peer.features else None
         done = 0
         while done < nblocks:
-            slots = None
+            self._still_on(peer)  # between rounds the engine may close, the peer go
             n = nblocks - done
-            if staging is not None and staging.usable:
-                n = min(n, staging.usable)
-                with anyio.move_on_after(max(0.0, end - anyio.current_time())):
-                    slots = await staging.acquire(n)
-                    if slots is None:
-                        continue  # slots were retired meanwhile: fewer per round
-                if slots is None:
-                    raise self._timed_out(peer, limit)
-            elif staging is not None:
-                self.unstaged += 1
-                self._noisy.log(logging.WARNING, "staging-spent", "every staging slot is retired: "
-                                "a push read from %r lands in its blocks directly", peer.name)
-            rec = _Read(peer, next(self._ids), slots is not None)
-            ours = dst[done:done + n]
-            try:
-                await self._round(rec, ours if slots is None else slots, src[done:done + n],
-                                  notify if done + n == nblocks else b"", end, limit,
-                                  dst_part, src_part)
-                if slots is not None:
-                    staging.copy_out(slots, ours, dst_part)  # type: ignore[union-attr]
-            finally:
-                if slots is not None:
-                    staging.settle(slots, rec.confirmed, peer.name, rec.rid, peer._metadata)  # type: ignore[union-attr]
+            message = notify if done + n == nblocks else b""
+            if staging is None:
+                rec = _Read(peer, next(self._ids))
+                await self._round(rec, dst[done:], src[done:], message, end, limit, dst_part, src_part)
+            else:
+                n, slots = await self._slots(staging, peer, n, end, limit)
+                message = notify if done + n == nblocks else b""
+                rec = _Read(peer, next(self._ids), staged=True)
+                try:
+                    await self._round(rec, slots, src[done:done + n], message, end, limit,
+                                      dst_part, src_part)
+                    staging.copy_out(slots, dst[done:done + n], dst_part)
+                finally:
+                    # Free again unless the server may still write into them: it was asked
+                    # and has not said it ended.
+                    staging.settle(slots, rec.confirmed or not rec.sent, peer.name, rec.rid,
+                                   peer._metadata)
             done += n
         nbytes = nblocks * self._local.bytes_per_block
         return TransferResult(nblocks, nbytes, time.perf_counter() - started)
+
+    def _still_on(self, peer: Peer) -> None:
+        if self._close_error is not None:
+            raise type(self._close_error)(str(self._close_error))
+        self._peers.live(peer)
+
+    async def _slots(self, staging: Staging, peer: Peer, wanted: int, end: float,
+                     limit: float) -> tuple[int, Ids]:
+        """Staging slots for the next round, by ``end``: at most half of those usable, so
+        that one round stuck at a stopped server never strands them all."""
+        while True:
+            if not staging.usable:
+                self.exhausted += 1
+                raise TransferError(
+                    f"no staging slot is usable for a push read from {peer.name!r}: all "
+                    f"{staging.slots} wait for servers to confirm reads that ended without "
+                    "their word (stats()['staging_stranded']); push reads go on as they do")
+            n = min(wanted, max(1, staging.usable // 2))
+            slots = None
+            with anyio.move_on_after(max(0.0, end - anyio.current_time())):
+                slots = await staging.acquire(n)
+            if slots is not None:
+                return n, slots
+            if anyio.current_time() >= end:
+                raise self._timed_out(peer, limit)
+            self._still_on(peer)  # closing; else slots were stranded meanwhile: fewer a round
 
     @staticmethod
     def _timed_out(peer: Peer, limit: float) -> TransferTimeoutError:
@@ -252,7 +274,7 @@ class Pusher:
         reads into staging (``rec.staged``); returns once it all landed, by ``end``."""
         peer, rid = rec.peer, rec.rid
         agent = self._local.agent
-        assert agent is not None
+        assert agent is not None  # (an engine that closes fails its reads first: _still_on)
         left = end - anyio.current_time()
         if left <= 0:
             raise self._timed_out(peer, limit)
@@ -264,6 +286,7 @@ class Pusher:
         self.reads[rid] = rec
         try:
             agent.send_notif(peer.name, request)
+            rec.sent = True
         except PeerDisconnectedError as exc:
             del self.reads[rid]
             raise self._peers.evict(peer, exc) from exc
@@ -556,6 +579,9 @@ class Pusher:
     def fail_all(self, error: AionixlError) -> None:
         """Closing: waiting readers get ``error``; their reads stay listed for :meth:`close`."""
         self._closing = True
+        self._close_error = error
+        if self._local.staging is not None:
+            self._local.staging.close()
         for rec in self.reads.values():
             if rec.state == _OPEN:
                 rec.error = error

@@ -17,6 +17,7 @@ with NIXL and announces in its handshake.
 from __future__ import annotations
 
 import ctypes
+from collections import deque
 from collections.abc import Sequence
 
 import anyio
@@ -68,11 +69,13 @@ class Staging:
         self._stranded: dict[tuple[str, int], tuple[Ids, bytes]] = {}
         self.retired = 0  # slots stranded now
         self.reclaimed = 0  # slots given back by a late confirmation or a server's restart
+        self.closed = False
+        self._queue: deque[object] = deque()  # readers waiting for slots, in arrival order
         self._changed = anyio.Event()
 
     @property
     def usable(self) -> int:
-        """Slots not retired: the most one round of a read can take."""
+        """Slots not stranded."""
         return self.slots - self.retired
 
     @property
@@ -80,16 +83,33 @@ class Staging:
         return len(self._free)
 
     async def acquire(self, n: int) -> Ids | None:
-        """``n`` free slots, waiting for readers before us to give theirs back; None when
-        fewer than ``n`` are usable any more (retired meanwhile)."""
-        while len(self._free) < n:
-            if n > self.usable:
-                return None
-            changed = self._changed
-            await changed.wait()
+        """``n`` free slots, first come first served (a large read is not starved by small
+        ones); None when fewer than ``n`` are usable any more (stranded meanwhile) or the
+        engine is closing."""
+        if not self._queue and len(self._free) >= n and not self.closed:
+            return self._take(n)
+        turn = object()
+        self._queue.append(turn)
+        try:
+            while self._queue[0] is not turn or len(self._free) < n:
+                if n > self.usable or self.closed:
+                    return None
+                changed = self._changed
+                await changed.wait()
+            return self._take(n)
+        finally:
+            self._queue.remove(turn)
+            self._wake()  # the next in line may go now
+
+    def _take(self, n: int) -> Ids:
         taken = self._free[-n:]
         del self._free[-n:]
         return np.array(taken, dtype=np.int64)
+
+    def close(self) -> None:
+        """The engine is closing: readers waiting for slots give up."""
+        self.closed = True
+        self._wake()
 
     def settle(self, slots: Ids, confirmed: bool, server: str, rid: int, metadata: bytes) -> None:
         """Round ``rid`` from ``server`` (whose agent's metadata is ``metadata``) ended:

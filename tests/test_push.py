@@ -149,14 +149,15 @@ async def test_the_server_validates_every_request() -> None:
 # ---- staging slots -----------------------------------------------------------------------
 
 async def test_a_read_larger_than_the_staging_slots_lands_in_rounds() -> None:
-    """Three slots: a 40-block read goes in rounds of three, sixteen one-block reads share
-    them, every byte lands where it was asked to, and the notify comes once, at the end."""
+    """Four slots: a 40-block read goes in rounds of two (half the slots: one stuck round
+    never strands them all), sixteen one-block reads share them, every byte lands where it
+    was asked to, and the notify comes once, at the end."""
     src_cache = numpy_cache(64, 16384, 2, seed=12)
     dst_cache = numpy_cache(48, 16384, 2)
     config = aionixl.EngineConfig(read_mode="push", push_chunk_bytes=64 << 10,
-                                  push_staging_bytes=3 * 2 * 16384)
+                                  push_staging_bytes=4 * 2 * 16384)
     async with engine_pair(src_cache, dst_cache, config=config) as (src, dst, peer):
-        assert dst.stats()["staging_slots"] == 3 and _wire.STAGED_FEATURE in peer.features
+        assert dst.stats()["staging_slots"] == 4 and _wire.STAGED_FEATURE in peer.features
         remote = [63 - 3 * i % 64 for i in range(40)]
         result = await dst.transfer_blocks(peer, list(range(40)), remote, notify=b"req-r", timeout=20)
         assert result.blocks == 40 and result.nbytes == 40 * 2 * 16384
@@ -168,33 +169,83 @@ async def test_a_read_larger_than_the_staging_slots_lands_in_rounds() -> None:
             assert np.array_equal(mine[8:40], theirs[remote[8:]])
             assert np.array_equal(mine[40:48], theirs[:8]) and np.array_equal(mine[:8], theirs[8:16])
         with anyio.fail_after(5):
-            while src.stats()["pushes_served"] < 14 + 16:  # 40 blocks in 14 rounds
+            while src.stats()["pushes_served"] < 20 + 16:  # 40 blocks in 20 rounds
                 await anyio.sleep(0.01)
-        assert src.stats()["pushes_served"] == 14 + 16
+        assert src.stats()["pushes_served"] == 20 + 16
         with pytest.raises(TimeoutError):  # the notify came once
             await src.wait_notification(b"req-r", timeout=0.2)
         stats = dst.stats()
-        assert stats["staging_stranded"] == 0 and stats["push_rounds_unstaged"] == 0
-        assert dst._local.staging is not None and dst._local.staging.free == 3
+        assert stats["staging_stranded"] == 0 and stats["staging_exhausted"] == 0
+        assert dst._local.staging is not None and dst._local.staging.free == 4
     assert zero_resources(src) and zero_resources(dst)
 
 
-async def test_with_every_slot_stranded_a_read_lands_directly_until_one_comes_back() -> None:
+async def test_with_every_slot_stranded_a_push_read_is_refused_until_one_comes_back() -> None:
+    """Never into the caller's blocks directly: a read whose slots could take a late write
+    is worse than a clear error."""
     src_cache = numpy_cache(8, 4096, 1, seed=4)
     dst_cache = numpy_cache(8, 4096, 1)
     config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=2 * 4096)
-    async with engine_pair(src_cache, dst_cache, config=config) as (_, dst, peer):
+    async with engine_pair(src_cache, dst_cache, config=config) as (src, dst, peer):
         staging = dst._local.staging
         assert staging is not None
         slots = await staging.acquire(2)
         assert slots is not None
         staging.settle(slots, False, "gone", 7, b"md")  # as a read that ended unconfirmed
-        await dst.transfer_blocks(peer, [0, 1], [5, 6], timeout=10)
-        assert dst.stats()["push_rounds_unstaged"] == 1 and dst.stats()["staging_stranded"] == 2
+        with pytest.raises(aionixl.TransferError, match="no staging slot is usable"):
+            await dst.transfer_blocks(peer, [0, 1], [5, 6], timeout=10)
+        assert dst.stats()["staging_exhausted"] == 1 and dst.stats()["staging_stranded"] == 2
+        assert not dst_cache[0][:2].any() and src.stats()["pushes_served"] == 0  # nothing asked
         staging.confirmed_late("gone", 7)
         await dst.transfer_blocks(peer, [2, 3], [1, 2], timeout=10)
-        assert dst.stats()["push_rounds_unstaged"] == 1 and dst.stats()["staging_reclaimed"] == 2
-        assert np.array_equal(dst_cache[0][:4], src_cache[0][[5, 6, 1, 2]])
+        assert dst.stats()["staging_reclaimed"] == 2 and dst.stats()["staging_stranded"] == 0
+        assert np.array_equal(dst_cache[0][2:4], src_cache[0][[1, 2]])
+
+
+async def test_a_round_never_sent_strands_no_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request could not be sent: the server was never asked, so the round's slots are
+    free again at once."""
+    async with engine_pair(numpy_cache(8, 4096, 1, seed=2), numpy_cache(8, 4096, 1),
+                           config=PUSH) as (src, dst, peer):
+        staging, agent = dst._local.staging, dst._local.agent
+        assert staging is not None and agent is not None
+
+        def refuse(peer: str, message: bytes) -> None:
+            raise aionixl.TransferError("injected: the notification could not be sent")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(agent, "send_notif", refuse)
+            for _ in range(3):
+                with pytest.raises(aionixl.TransferError, match="injected"):
+                    await dst.transfer_blocks(peer, [0, 1], [0, 1], timeout=10)
+        assert dst.stats()["staging_stranded"] == 0 and staging.free == staging.slots
+        assert src.stats()["pushes_served"] == 0
+        await dst.transfer_blocks(peer, [0], [3], timeout=10)
+
+
+async def test_closing_wakes_a_read_waiting_for_slots() -> None:
+    src_cache = numpy_cache(8, 4096, 1, seed=8)
+    config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=2 * 4096)
+    async with engine_pair(src_cache, numpy_cache(8, 4096, 1), config=config) as (_, dst, peer):
+        staging = dst._local.staging
+        assert staging is not None
+        held = await staging.acquire(2)  # every slot busy
+        assert held is not None
+        outcome: list[BaseException] = []
+
+        async def read() -> None:
+            try:
+                await dst.transfer_blocks(peer, [0], [1], timeout=60)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.sleep(0.1)
+            assert not outcome  # waiting for a slot
+            with anyio.fail_after(10):
+                await dst.aclose()
+        assert len(outcome) == 1 and isinstance(outcome[0], aionixl.EngineClosedError), outcome
 
 
 async def test_a_reader_without_staging_reads_directly_and_its_staged_requests_are_refused() -> None:
@@ -393,19 +444,22 @@ async def test_a_fence_that_fails_alone_evicts_the_peer() -> None:
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
 
-async def test_no_late_bytes_after_a_push_read_from_a_stopped_server() -> None:
+async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server stops mid-push (SIGSTOP) and cannot confirm the cancel: the reader evicts it
     at the deadline plus push_cancel_timeout. UCX cannot stop the chunk it had under way, and
     once the server runs again the rest of that chunk lands: in the reader's staging slots,
     never in the caller's blocks. Those slots stay out of use until the server confirms the
     chunk ended, then come back (docs/read-modes.md)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
     local = numpy_cache(16, 4 << 20, 1)
     ids = list(range(16))
     config = aionixl.EngineConfig(push_cancel_timeout=0.5)
     async with RemoteEngine(seed=1234, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
             aionixl.Engine(unique("dec"), local, listen=None, config=config) as eng:
         staging = eng._local.staging
-        assert staging is not None and staging.slots >= len(ids)  # one round
+        # 16 slots (as many as the engine has blocks): two rounds of 8, half the slots each.
+        assert staging is not None and staging.slots == len(ids)
+        per_round = len(ids) // 2
         slots = [staging._buffer.reshape(staging.slots, -1)]
         peer = await eng.connect(child.address, timeout=30)
         assert peer.read_mode == "push"
@@ -428,7 +482,7 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server() -> None:
                 await child.pause()
             assert len(outcome) == 1 and isinstance(outcome[0], aionixl.TransferTimeoutError)
             assert not peer.connected and eng.stats()["fence_evictions"] == 1
-            assert eng.stats()["staging_stranded"] == len(ids)
+            assert eng.stats()["staging_stranded"] == per_round  # the round under way
             assert _late(local, 0) == 0  # nothing of it reached the caller's blocks
             local[0][:] = 0x5A
         finally:
@@ -443,7 +497,7 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server() -> None:
         with anyio.fail_after(10):
             while eng.stats()["staging_stranded"]:
                 await anyio.sleep(0.05)
-        assert eng.stats()["staging_reclaimed"] == len(ids)
+        assert eng.stats()["staging_reclaimed"] == per_round and eng.stats()["staging_exhausted"] == 0
         assert child.running
     assert zero_resources(eng)
 

@@ -110,6 +110,48 @@ async def test_acquire_waits_for_slots_and_gives_up_when_too_few_are_usable() ->
     assert got[1] is None and staging.usable == 0
 
 
+async def test_slots_go_to_readers_in_the_order_they_asked() -> None:
+    """A read waiting for two slots is not overtaken by a later one wanting a single slot."""
+    staging = Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=4 * 16)
+    held = await staging.acquire(4)
+    assert held is not None
+    order: list[int] = []
+
+    async def want(n: int) -> None:
+        slots = await staging.acquire(n)
+        assert slots is not None and slots.size == n
+        order.append(n)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want, 2)
+        await anyio.sleep(0.02)
+        tg.start_soon(want, 1)
+        await anyio.sleep(0.02)
+        staging.settle(held[:1], True, "p", 1, b"md")  # one free: enough for the later reader
+        await anyio.sleep(0.05)
+        assert order == []  # ... which waits its turn
+        staging.settle(held[1:2], True, "p", 2, b"md")  # two free: the first in line goes
+        await anyio.sleep(0.05)
+        assert order == [2]
+        staging.settle(held[2:3], True, "p", 3, b"md")
+    assert order == [2, 1] and staging.free == 0
+
+
+async def test_closing_wakes_readers_waiting_for_slots() -> None:
+    staging = Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=2 * 16)
+    held = await staging.acquire(2)
+    got: list[object] = []
+
+    async def want() -> None:
+        got.append(await staging.acquire(1))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want)
+        await anyio.sleep(0.02)
+        staging.close()
+    assert held is not None and got == [None]
+
+
 def _info(slots: int, block_bytes: int = 64, mem: str = "DRAM") -> proto.RegionInfo:
     return proto.RegionInfo(4096, block_bytes, block_bytes, slots, mem, 0)  # type: ignore[arg-type]
 
@@ -120,6 +162,9 @@ def test_the_handshake_refuses_staging_slots_that_do_not_mirror_the_regions() ->
     proto.check_staging(regions, [_info(4), _info(4)])
     for bad in ([_info(4)], [_info(4), _info(5)], [_info(4), _info(4, 32)],
                 [_info(4), _info(4, mem="VRAM")], [_info(0), _info(0)],
-                [_info(proto.MAX_STAGING_SLOTS + 1)] * 2):
+                [_info(proto.MAX_STAGING_SLOTS + 1)] * 2,
+                [proto.RegionInfo(-64, 64, 64, 4, "DRAM", 0)] * 2,
+                [proto.RegionInfo(2**64 - 128, 64, 64, 4, "DRAM", 0)] * 2,
+                [proto.RegionInfo(4096, 64, 64, 4, "DRAM", 3)] * 2):
         with pytest.raises(proto.ProtocolError):
             proto.check_staging(regions, bad)

@@ -44,7 +44,7 @@ STARTS_AT_ONCE = 4
 #: ended unconfirmed (its staging slots stranded, a late byte's only place to land) and
 #: how often the server's late word gave them back.
 ENGINE_STATS = ("fence_evictions", "peers_evicted", "staging_stranded", "staging_reclaimed",
-                "push_rounds_unstaged")
+                "staging_exhausted")
 
 #: Seconds a failed read's destination is watched beyond the longest deadline: late bytes
 #: of a server stopped or cut off for up to 3-4 s come once it runs or its link is back,
