@@ -201,7 +201,7 @@ class Engine:
             "pushes_refused": self._push.refused,
             "fence_evictions": self._peers.fenced_evictions,
             "staging_slots": staging.slots if staging else 0,
-            "staging_stranded": staging.retired if staging else 0,
+            "staging_stranded": staging.stranded if staging else 0,
             "staging_reclaimed": staging.reclaimed if staging else 0,
             "staging_exhausted": self._push.exhausted,
             "vllm_requests_answered": self._vllm_server.answered,
@@ -354,7 +354,7 @@ class Engine:
         agent = local.agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread, cfg.nixl_telemetry)
         agent.register(registration_spans(self._regions), local.mem_type)
         local.dlist = agent.prep_dlist(None, block_descriptors(self._regions), local.mem_type)
-        if cfg.push_staging_bytes and all(r.mem_type == "DRAM" for r in self._regions):
+        if cfg.push_staging_bytes and local.mem_type == "DRAM":
             local.staging = Staging(self._regions, cfg.push_staging_bytes)
             agent.register(registration_spans(local.staging.regions), "DRAM")
         local.metadata = agent.metadata()

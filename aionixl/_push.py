@@ -202,8 +202,8 @@ class Pusher:
         ``PARTS_FEATURE`` (the caller checks).
 
         With staging slots (``aionixl._staging``) and a peer that writes into them, the
-        blocks land there first, in rounds of at most the usable slots, and are copied into
-        ours as each round completes."""
+        blocks land there first, in rounds of at most half the usable slots, and are copied
+        into ours as each round completes."""
         limit = self._config.transfer_timeout if timeout is None else timeout
         started = time.perf_counter()
         end = anyio.current_time() + limit
@@ -215,24 +215,21 @@ class Pusher:
         done = 0
         while done < nblocks:
             self._still_on(peer)  # between rounds the engine may close, the peer go
-            n = nblocks - done
-            message = notify if done + n == nblocks else b""
-            if staging is None:
+            if staging is None:  # the rest in one round
                 rec = _Read(peer, next(self._ids))
-                await self._round(rec, dst[done:], src[done:], message, end, limit, dst_part, src_part)
-            else:
-                n, slots = await self._slots(staging, peer, n, end, limit)
-                message = notify if done + n == nblocks else b""
-                rec = _Read(peer, next(self._ids), staged=True)
-                try:
-                    await self._round(rec, slots, src[done:done + n], message, end, limit,
-                                      dst_part, src_part)
-                    staging.copy_out(slots, dst[done:done + n], dst_part)
-                finally:
-                    # Free again unless the server may still write into them: it was asked
-                    # and has not said it ended.
-                    staging.settle(slots, rec.confirmed or not rec.sent, peer.name, rec.rid,
-                                   peer._metadata)
+                await self._round(rec, dst[done:], src[done:], notify, end, limit, dst_part, src_part)
+                break
+            n, slots = await self._slots(staging, peer, nblocks - done, end, limit)
+            rec = _Read(peer, next(self._ids), staged=True)
+            try:
+                await self._round(rec, slots, src[done:done + n], notify if done + n == nblocks else b"",
+                                  end, limit, dst_part, src_part)
+                staging.copy_out(slots, dst[done:done + n], dst_part)
+            finally:
+                # Free again unless the server may still write into them: it was asked and
+                # has not said it ended.
+                staging.settle(slots, rec.confirmed or not rec.sent, peer.name, rec.rid,
+                               peer._metadata)
             done += n
         nbytes = nblocks * self._local.bytes_per_block
         return TransferResult(nblocks, nbytes, time.perf_counter() - started)

@@ -9,6 +9,7 @@ region-major: entry ``r * num_blocks + b`` is block ``b`` of region ``r``.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,6 +128,15 @@ def describe_regions(kv_caches: Sequence[object]) -> list[Region]:
 def _is_tensor(obj: object) -> bool:
     torch = _torch_module()
     return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def block_view(region: Region) -> npt.NDArray[np.uint8]:
+    """A writable ``(num_blocks, block_bytes)`` uint8 view of a DRAM region's blocks, over
+    the region's own memory (the caller checked it is host memory that outlives the view)."""
+    span = region.stride * (region.num_blocks - 1) + region.block_bytes
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(region.base))
+    return np.lib.stride_tricks.as_strided(flat, shape=(region.num_blocks, region.block_bytes),
+                                           strides=(region.stride, 1), writeable=True)
 
 
 def block_descriptors(regions: Sequence[Region]) -> npt.NDArray[np.uint64]:

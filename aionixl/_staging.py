@@ -16,7 +16,6 @@ with NIXL and announces in its handshake.
 
 from __future__ import annotations
 
-import ctypes
 from collections import deque
 from collections.abc import Sequence
 
@@ -25,20 +24,12 @@ import numpy as np
 import numpy.typing as npt
 
 from ._parts import BlockPart
-from ._regions import Region
+from ._regions import Region, block_view
 
 Ids = npt.NDArray[np.int64]
 
 #: The most slots an engine has: reads of more blocks go in rounds.
 MAX_SLOTS = 4096
-
-
-def _block_view(region: Region) -> npt.NDArray[np.uint8]:
-    """A writable [num_blocks, block_bytes] view of a DRAM region's blocks."""
-    span = (region.num_blocks - 1) * region.stride + region.block_bytes
-    flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(region.base))
-    return np.lib.stride_tricks.as_strided(flat, shape=(region.num_blocks, region.block_bytes),
-                                           strides=(region.stride, 1), writeable=True)
 
 
 class Staging:
@@ -62,21 +53,25 @@ class Staging:
             self.regions += (Region(base + offset, r.block_bytes, r.block_bytes, self.slots, "DRAM", 0),)
             self._views.append(self._buffer[offset:offset + size].reshape(self.slots, r.block_bytes))
             offset += size
-        self._targets = [_block_view(r) for r in regions]
+        self._targets = [block_view(r) for r in regions]
         self._free: list[int] = list(range(self.slots - 1, -1, -1))
         #: Slots of rounds that ended unconfirmed, by (server name, request id), with the
         #: NIXL metadata of the server's agent then.
         self._stranded: dict[tuple[str, int], tuple[Ids, bytes]] = {}
-        self.retired = 0  # slots stranded now
         self.reclaimed = 0  # slots given back by a late confirmation or a server's restart
         self.closed = False
         self._queue: deque[object] = deque()  # readers waiting for slots, in arrival order
         self._changed = anyio.Event()
 
     @property
+    def stranded(self) -> int:
+        """Slots out of use until their server confirms."""
+        return sum(int(slots.size) for slots, _ in self._stranded.values())
+
+    @property
     def usable(self) -> int:
         """Slots not stranded."""
-        return self.slots - self.retired
+        return self.slots - self.stranded
 
     @property
     def free(self) -> int:
@@ -119,7 +114,6 @@ class Staging:
             self._give_back(slots)
         else:
             self._stranded[(server, rid)] = (slots, metadata)
-            self.retired += int(slots.size)
             self._wake()  # fewer usable: a reader waiting for more than are left gives up
 
 
@@ -138,7 +132,6 @@ class Staging:
             self._reclaim(self._stranded.pop(key)[0])
 
     def _reclaim(self, slots: Ids) -> None:
-        self.retired -= int(slots.size)
         self.reclaimed += int(slots.size)
         self._give_back(slots)
 

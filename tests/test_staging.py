@@ -63,14 +63,14 @@ async def test_slots_come_back_only_when_the_server_confirmed() -> None:
     b = await staging.acquire(2)
     assert a is not None and b is not None and staging.free == 0
     staging.settle(a, True, "p", 1, b"md-1")
-    assert staging.free == 2 and staging.retired == 0
+    assert staging.free == 2 and staging.stranded == 0
     staging.settle(b, False, "p", 2, b"md-1")
-    assert staging.free == 2 and staging.retired == 2 and staging.usable == 2
+    assert staging.free == 2 and staging.stranded == 2 and staging.usable == 2
     staging.confirmed_late("q", 2)  # another server's word counts for nothing
     staging.confirmed_late("p", 3)
-    assert staging.retired == 2
+    assert staging.stranded == 2
     staging.confirmed_late("p", 2)
-    assert staging.free == 4 and staging.retired == 0 and staging.reclaimed == 2
+    assert staging.free == 4 and staging.stranded == 0 and staging.reclaimed == 2
 
 
 async def test_a_new_agent_of_the_same_name_frees_what_the_old_one_stranded() -> None:
@@ -80,9 +80,9 @@ async def test_a_new_agent_of_the_same_name_frees_what_the_old_one_stranded() ->
     staging.settle(slots[:2], False, "p", 1, b"md-1")
     staging.settle(slots[2:], False, "q", 2, b"md-9")
     staging.admitted("p", b"md-1")  # the same process handshaking again: it may still write
-    assert staging.retired == 3
+    assert staging.stranded == 3
     staging.admitted("p", b"md-2")  # a new process of that name: the old one is gone
-    assert staging.retired == 1 and staging.free == 3 and staging.reclaimed == 2
+    assert staging.stranded == 1 and staging.free == 3 and staging.reclaimed == 2
 
 
 async def test_acquire_waits_for_slots_and_gives_up_when_too_few_are_usable() -> None:

@@ -26,7 +26,6 @@ event loop (no threads), their arguments are msgpack structs, their results JSON
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import statistics
@@ -40,6 +39,7 @@ import msgspec
 import numpy as np
 
 import aionixl
+from aionixl._regions import block_view
 from aionixl.testing import FleetHosts, RemoteEngine, TwoHostsError, block_bytes
 from aionixl.testing._remote import each_at_most
 
@@ -94,10 +94,7 @@ def _region_bytes(engine: aionixl.Engine) -> list[U8]:
     for region in engine.regions:
         if region.mem_type != "DRAM":
             raise RuntimeError(f"the fleet runs on DRAM regions, not {region.mem_type}")
-        span = region.stride * (region.num_blocks - 1) + region.block_bytes
-        flat = np.frombuffer(memoryview((ctypes.c_uint8 * span).from_address(region.base)), dtype=np.uint8)
-        views.append(np.lib.stride_tricks.as_strided(
-            flat, shape=(region.num_blocks, region.block_bytes), strides=(region.stride, 1)))
+        views.append(block_view(region))
     return views
 
 

@@ -11,9 +11,9 @@ The chaos soak (issue 31) has three layers, each knowing only the ones below it:
 2. :mod:`._report` reads those events files (several incarnations each, when an engine was
    killed and restarted) with the orchestrator's fault log and its own findings, and
    produces the soak's JSON (``"violations"`` a top-level integer) and a plot.
-3. The orchestrator (the multi-host harness of :mod:`aionixl.testing` and the command line)
-   starts etcd, hosts and engines with this worker, injects faults, tears everything down
-   and calls the report. It lives elsewhere.
+3. :mod:`._run`, the orchestrator (on the multi-host harness of :mod:`aionixl.testing`;
+   ``aionixl soak`` runs it), starts etcd, hosts and engines with this worker, injects
+   faults, tears everything down and calls the report.
 
 Nothing here starts threads or sleeps blocking; the worker runs on asyncio and trio.
 """

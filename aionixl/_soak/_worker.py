@@ -35,7 +35,6 @@ and is not judged on time; its bytes are judged as any other's.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import math
@@ -55,7 +54,7 @@ import numpy as np
 
 import aionixl
 from aionixl import AionixlError, Region
-from aionixl._regions import describe_regions
+from aionixl._regions import block_view, describe_regions
 from aionixl.testing import block_bytes
 
 #: Seconds past its deadline an operation may take to fail (issue 31's invariant).
@@ -160,10 +159,7 @@ def region_views(regions: Sequence[Region]) -> list[ByteView]:
     for region in regions:
         if region.mem_type != "DRAM":
             raise ValueError("the soak worker checks bytes in host memory (DRAM regions) only")
-        size = region.stride * (region.num_blocks - 1) + region.block_bytes
-        flat = np.frombuffer(memoryview((ctypes.c_ubyte * size).from_address(region.base)), dtype=np.uint8)
-        views.append(np.lib.stride_tricks.as_strided(
-            flat, shape=(region.num_blocks, region.block_bytes), strides=(region.stride, 1), writeable=True))
+        views.append(block_view(region))
     return views
 
 
@@ -288,7 +284,7 @@ class PauseClock:
         if last is not None and now <= last:
             return None
         self.last = now
-        cpu, used = time.process_time(), 0.0
+        cpu = time.process_time()
         used, self._cpu = cpu - self._cpu, cpu
         if last is not None and now - last > self.threshold:
             self.pauses.append((last, now))
@@ -371,9 +367,6 @@ class BlockPool:
     def __init__(self, blocks: Sequence[int]) -> None:
         self._free = list(blocks)
         self._changed = anyio.Event()
-
-    def __len__(self) -> int:
-        return len(self._free)
 
     async def take(self, k: int, rng: random.Random) -> list[int]:
         while len(self._free) < k:
@@ -714,7 +707,7 @@ class Worker:
         bad = self.truth.check(self.views, local, seed, remote)
         if bad and fresh is not None:
             peer_seed, inbox = fresh
-            initial = all(np.array_equal(view[lb], block_bytes(peer_seed, r, ib, view.shape[1]))
+            initial = all(np.array_equal(view[lb], self.truth.expected(peer_seed, r, ib))
                           for lb, ib in zip(local, inbox, strict=True) for r, view in enumerate(self.views))
             note += "; they hold what the peer started with there (restarted?)" if initial else ""
         self.pool.give(local)
