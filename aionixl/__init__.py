@@ -23,6 +23,7 @@ from ._leases import Lease, LeaseCancelledError, LeaseExpiredError, read_done
 from ._notifications import Notification
 from ._parts import BlockPart
 from ._regions import Region
+from ._shared import shared_dram
 
 __all__ = [
     "AionixlError",
@@ -48,6 +49,7 @@ __all__ = [
     "TransferResult",
     "TransferTimeoutError",
     "read_done",
+    "shared_dram",
 ]
 
 __version__ = "0.1.0"

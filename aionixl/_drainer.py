@@ -63,17 +63,22 @@ class NotificationDrainer:
         notes: list[Notification] = []
         for peer_name, messages in notifs.items():
             for message in messages:
-                if not message.startswith(RESERVED):
-                    notes.append(Notification(peer_name, message))
-                elif message.startswith(MULTI):
-                    notes += [Notification(peer_name, m) for m in unpack_notifications(message)]
-                elif message.startswith(TAGGED):
-                    tagged = unpack_tagged(message)  # a tag seen before: delivered already
-                    if tagged is not None and self._seen_tags.first(peer_name, tagged[0]):
-                        notes += [Notification(peer_name, m) for m in tagged[1]]
-                elif not self._push.heard(peer_name, message):  # a push-read message handled
-                    self._peers.heard(peer_name, message)  # a probe or a goodbye
+                self.sort(peer_name, message, notes)
         return notes
+
+    def sort(self, peer_name: str, message: bytes, notes: list[Notification]) -> None:
+        """Handle one incoming message that is the engine's own; append those meant for
+        callers to ``notes`` (also for messages a vLLM serving process relays)."""
+        if not message.startswith(RESERVED):
+            notes.append(Notification(peer_name, message))
+        elif message.startswith(MULTI):
+            notes += [Notification(peer_name, m) for m in unpack_notifications(message)]
+        elif message.startswith(TAGGED):
+            tagged = unpack_tagged(message)  # a tag seen before: delivered already
+            if tagged is not None and self._seen_tags.first(peer_name, tagged[0]):
+                notes += [Notification(peer_name, m) for m in tagged[1]]
+        elif not self._push.heard(peer_name, message):  # a push-read message handled
+            self._peers.heard(peer_name, message)  # a probe or a goodbye
 
     async def run(self) -> None:
         """Cadence: every loop turn while transfers are in flight or notifications arrive,

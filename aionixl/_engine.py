@@ -125,10 +125,12 @@ class Engine:
             if not leases.consume(note):
                 mailbox.deliver(note)
 
+        self._deliver = deliver
+
         self._push = Pusher(local, config, peers, table, deliver, noisy, self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers, config)
-        self._vllm_server = VllmServer(local, noisy, self._wake_drainer)
+        self._vllm_server = VllmServer(local, config, noisy, self._wake_drainer, self._relayed)
         self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)
         # The hot path: a call goes straight to the component's coroutine function (the
@@ -164,6 +166,13 @@ class Engine:
     def peers(self) -> Mapping[str, Peer]:
         """Live peers by name: those we connected to and those that connected to us."""
         return dict(self._peers.by_name)
+
+    @property
+    def vllm_engine_id(self) -> str | None:
+        """The engine id vLLM decoders must be told now (:func:`aionixl.vllm.transfer_params`):
+        ``serve_vllm``'s, or with ``isolate=True`` the serving process's (a replacement
+        gets a new one); None when not serving (or while a replacement starts)."""
+        return self._vllm_server.engine_id
 
     @property
     def discovery(self) -> EtcdDiscovery | None:
@@ -206,6 +215,7 @@ class Engine:
             "staging_exhausted": self._push.exhausted,
             "vllm_requests_answered": self._vllm_server.answered,
             "vllm_requests_refused": self._vllm_server.refused,
+            "vllm_serving_restarts": sidecar.restarts if (sidecar := self._vllm_server.sidecar) else 0,
             "discovery_registrations": self._discovery.registrations if self._discovery else 0,
             "discovery_keepalive_failures": self._discovery.keepalive_failures if self._discovery else 0,
         }
@@ -462,6 +472,13 @@ class Engine:
     def _wake_drainer(self) -> None:
         self._drainer.wake()
 
+    def _relayed(self, note: Notification) -> None:
+        """A notification our vLLM serving process received: handled as the drainer's own."""
+        notes: list[Notification] = []
+        self._drainer.sort(note.peer, note.message, notes)
+        for each in notes:
+            self._deliver(each)
+
     def _peer_dropped(self, peer: Peer, error: AionixlError) -> None:
         """The peer table dropped ``peer``: its transfers and push reads fail with ``error``."""
         self._inflight.fail_peer(peer, error)
@@ -539,7 +556,7 @@ class Engine:
     async def serve_vllm(self, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
                          block_size: int, kv_cache_layout: str, attn_backend_name: str,
                          tp_rank: int = 0, pp_rank: int = 0,
-                         layer_names: Sequence[str] | None = None) -> str:
+                         layer_names: Sequence[str] | None = None, isolate: bool = False) -> str:
         """Answer vLLM NixlConnector decode workers' handshakes on ``listen``; returns the
         bound endpoint (``tcp://host:port``).
 
@@ -557,6 +574,13 @@ class Engine:
         is a task of the engine's task group and stops when the engine closes; one per
         engine (``RuntimeError`` for a second call). ``ValueError`` for a bad argument,
         ``ListenError`` when ``listen`` cannot be bound (docs/vllm.md).
+
+        ``isolate=True`` serves the reads from a child process that maps the regions (they
+        must lie in :func:`aionixl.shared_dram` buffers): over UCX TCP a decode dying
+        mid-read can make UCX abort the process that serves its read, and then only that
+        child dies. The engine replaces it (``stats()["vllm_serving_restarts"]``); the
+        replacement serves under a new engine id (:attr:`vllm_engine_id`), so decoders
+        handshake with it again. ``AionixlError`` when the first child does not start.
         """
         self._check_open()
         if not isinstance(listen, str) or not listen:
@@ -564,12 +588,14 @@ class Engine:
         server = self._vllm_server
         server.configure(engine_id=engine_id, compat_hash=compat_hash, block_size=block_size,
                          kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
-                         pp_rank=pp_rank, tp_rank=tp_rank, layer_names=layer_names)
+                         pp_rank=pp_rank, tp_rank=tp_rank, layer_names=layer_names, isolate=isolate)
         assert self._bg_tg is not None
         try:
+            if server.sidecar is not None:
+                await self._bg_tg.start(server.sidecar.run)
             address: str = await self._bg_tg.start(server.listen, listen)
         except BaseException:
-            server.serving = False  # not bound: a later call may try another endpoint
+            server.reset()  # a later call may try another endpoint
             raise
         self._wake_drainer()
         return address

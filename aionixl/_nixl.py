@@ -192,7 +192,7 @@ class Agent:
     """
 
     def __init__(self, name: str, backends: tuple[str, ...], progress_thread: bool,
-                 telemetry: bool = False) -> None:
+                 telemetry: bool = False, progress_delay_us: int = 0) -> None:
         # As nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
         # backends=list(backends), capture_telemetry=telemetry)) configures and creates it.
         try:
@@ -201,7 +201,7 @@ class Agent:
             config.useListenThread = False
             config.listenPort = _bind.DEFAULT_COMM_PORT
             config.syncMode = _bind.NIXL_THREAD_SYNC_NONE
-            config.pthrDelay = 0
+            config.pthrDelay = progress_delay_us  # 0: the progress thread spins (a core)
             config.lthrDelay = 100000
             config.captureTelemetry = telemetry
             raw: Any = _bind.nixlAgent(name, config)

@@ -24,9 +24,13 @@ import zmq
 from . import _protocol as proto
 from . import _zmq
 from ._checks import check_int
+from ._config import EngineConfig
 from ._errors import ListenError
 from ._lifecycle import LocalSide
+from ._notifications import Notification
 from ._ratelimit import RateLimitedLog
+from ._shared import locate
+from ._vllm_sidecar import Served, Sidecar
 from ._vllm_wire import (
     MAX_REQUEST_BYTES,
     VllmWireError,
@@ -41,36 +45,84 @@ from ._vllm_wire import (
 class VllmServer:
     """One engine's vLLM side channel (see :meth:`Engine.serve_vllm`)."""
 
-    def __init__(self, local: LocalSide, noisy: RateLimitedLog, wake_drainer: Callable[[], None]) -> None:
+    def __init__(self, local: LocalSide, config: EngineConfig, noisy: RateLimitedLog,
+                 wake_drainer: Callable[[], None], deliver: Callable[[Notification], None]) -> None:
         self._local = local
+        self._config = config
         self._noisy = noisy
         self._wake_drainer = wake_drainer
-        self._payload = b""
+        self._deliver = deliver  # notifications a serving child relays
+        self._payload = b""  # empty while a serving child is (re)starting: requests are refused
         self._rank = (0, 0)
+        self._describe: Callable[[str, bytes, list[proto.RegionInfo]], bytes] | None = None
+        self._engine_id = ""
         #: The bound endpoint once serving; None before.
         self.address: str | None = None
-        #: True from the first serve_vllm call on: decode workers may read from us, so the
-        #: drainer keeps NIXL progressing even with no peer of our own.
+        #: The engine id decoders must be told now (``Engine.vllm_engine_id``).
+        self.engine_id: str | None = None
+        #: True once configured (one side channel per engine).
+        self.configured = False
+        #: True while decode workers read from this process's agent (not isolated): the
+        #: drainer then keeps NIXL progressing even with no peer of our own.
         self.serving = False
+        #: With ``isolate``: the child process decoders read from.
+        self.sidecar: Sidecar | None = None
         self.answered = self.refused = 0
 
     def configure(self, *, engine_id: str, compat_hash: str, block_size: int, kv_cache_layout: str,
                   attn_backend_name: str, pp_rank: int, tp_rank: int,
-                  layer_names: Sequence[str] | None) -> None:
-        """Check the arguments and build the reply; ``ValueError`` for a bad one,
-        ``RuntimeError`` when this engine serves vLLM already."""
-        if self.serving:
+                  layer_names: Sequence[str] | None, isolate: bool) -> None:
+        """Check the arguments and build the reply (with ``isolate``, the serving child
+        that :meth:`Sidecar.run` starts); ``ValueError`` for a bad one, ``RuntimeError``
+        when this engine serves vLLM already."""
+        if self.configured:
             raise RuntimeError(f"engine {self._local.name!r} serves vLLM decoders already "
                                f"(at {self.address})")
         check_int(pp_rank, "pp_rank", 0)
         check_int(tp_rank, "tp_rank", 0)
-        regions = [proto.RegionInfo.of(r) for r in self._local.regions]
-        md = serving_metadata(engine_id, self._local.metadata, regions, block_size=block_size,
-                              kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
-                              layer_names=layer_names)
-        self._payload = encode_payload(compat_hash, md)
-        self._rank = (pp_rank, tp_rank)
-        self.serving = True
+        if not isinstance(isolate, bool):
+            raise ValueError(f"isolate must be a bool, got {isolate!r}")
+        spans = [locate(r) if r.mem_type == "DRAM" else None for r in self._local.regions]
+        if isolate and None in spans:
+            raise ValueError(f"serve_vllm(isolate=True) serves DRAM allocated with aionixl.shared_dram "
+                             f"only; kv_caches[{spans.index(None)}] is not in such a buffer")
+
+        def describe(served_id: str, metadata: bytes, regions: list[proto.RegionInfo]) -> bytes:
+            md = serving_metadata(served_id, metadata, regions, block_size=block_size,
+                                  kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
+                                  layer_names=layer_names)
+            return encode_payload(compat_hash, md)
+
+        ours = [proto.RegionInfo.of(r) for r in self._local.regions]
+        payload = describe(engine_id, self._local.metadata, ours)  # checks the arguments
+        self._describe, self._engine_id, self._rank = describe, engine_id, (pp_rank, tp_rank)
+        if isolate:
+            self.sidecar = Sidecar(self._local.name, self._local.regions, [s for s in spans if s],
+                                   backends=self._config.backends,
+                                   poll_interval=self._config.notification_poll_interval,
+                                   deliver=self._deliver, on_ready=self._served, on_down=self._down,
+                                   noisy=self._noisy)
+        else:
+            self._payload, self.engine_id, self.serving = payload, engine_id, True
+        self.configured = True
+
+    def reset(self) -> None:
+        """Undo :meth:`configure` after a failed start (a later call may try again)."""
+        if self.sidecar is not None:
+            self.sidecar.stop()
+        self.sidecar, self._payload, self.engine_id = None, b"", None
+        self.configured = self.serving = False
+
+    def _served(self, served: Served) -> None:
+        """A serving child is up: answer with its agent and addresses. A replacement gets
+        an engine id of its own, so that decoders holding the old one handshake again."""
+        assert self._describe is not None
+        served_id = self._engine_id if not served.generation else f"{self._engine_id}~{served.generation}"
+        self._payload = self._describe(served_id, served.metadata, served.regions)
+        self.engine_id = served_id
+
+    def _down(self) -> None:
+        self._payload, self.engine_id = b"", None
 
     async def listen(self, endpoint: str, *, task_status: anyio.abc.TaskStatus[str]) -> None:
         """Answer metadata requests on ``endpoint`` until cancelled; reports the bound address."""
@@ -103,6 +155,8 @@ class VllmServer:
         if rank != self._rank:
             return self._refuse(f"engine {self._local.name!r} serves pp_rank {self._rank[0]}, "
                                 f"tp_rank {self._rank[1]} only; asked for {rank}")
+        if not self._payload:
+            return self._refuse(f"engine {self._local.name!r}: its vLLM serving process is restarting")
         self.answered += 1
         return encode_reply(self._payload, time.perf_counter())
 

@@ -18,8 +18,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "aionixl"
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"_errors", "_config", "_ratelimit", "_checks", "_lines", "_parking", "_zmq",
                     "_regions", "_notifications", "_results", "_parts"}),
-    ("wire, and memory of our own", {"_protocol", "_wire", "_nixl", "_metrics", "_discovery", "_staging"}),
-    ("wire above the handshake's", {"_vllm_wire", "_hostfacts"}),
+    ("wire, and memory of our own", {"_protocol", "_wire", "_nixl", "_metrics", "_discovery", "_staging",
+                                     "_shared"}),
+    ("wire above the handshake's", {"_vllm_wire", "_hostfacts", "_vllm_sidecar"}),
     ("shared state: lifecycle and local side, leases", {"_lifecycle", "_peer", "_leases"}),
     ("shared state: the in-flight table", {"_inflight"}),
     ("components: peers", {"_peers"}),

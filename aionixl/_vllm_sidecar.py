@@ -1,0 +1,268 @@
+"""A child process that serves vLLM decoders' reads, so that UCX aborting it spares the engine.
+
+Over UCX TCP a vLLM decode's READ is emulated: the target sends the data back, and UCX
+aborts the target process when that send meets a decode that died mid-read (docs/vllm.md).
+With ``serve_vllm(isolate=True)`` the target is this child: it maps the engine's regions
+(:func:`aionixl._shared.shared_dram` memory), registers them with a NIXL agent of its own,
+reports that agent's metadata, and relays the notifications decoders send it (read-dones,
+heartbeats) to the engine. The engine side (:class:`Sidecar`) keeps one running: a child
+that dies is counted, logged and replaced by a new one, with a new agent.
+
+    python -c "from aionixl._vllm_sidecar import main; main()" SPEC_JSON
+
+Messages (:mod:`aionixl._lines`) on the child's stdout, which is its own: NIXL and UCX log
+to stderr here. ``{"ready": {"metadata": b64, "bases": [...]}}`` once registered, then
+``{"notifs": [[agent, b64], ...]}``. End of stdin releases everything and exits.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import mmap
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import numpy as np
+
+from ._errors import AionixlError
+from ._lines import LineReader, write_fd
+from ._nixl import Agent
+from ._notifications import Notification
+from ._protocol import RegionInfo
+from ._ratelimit import RateLimitedLog
+from ._regions import Region, registration_spans
+from ._shared import SharedSpan
+
+#: How long a new child may take to register the regions and report.
+START_TIMEOUT = 60.0
+#: How long a child may take to exit once told to, before it is killed.
+STOP_TIMEOUT = 5.0
+#: Waits before starting a replacement: the first, doubling after failed starts up to the last.
+RESTART_DELAY = (0.2, 5.0)
+#: The child's NIXL progress thread sleeps this long when idle (0 would spin a core).
+PROGRESS_DELAY_US = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What a running child serves: its agent's metadata, the regions at its addresses,
+    and its generation (0 for the first child, counting replacements)."""
+
+    metadata: bytes
+    regions: list[RegionInfo]
+    generation: int
+
+
+class Sidecar:
+    """Keeps one serving child for an engine, from :meth:`run` until cancelled."""
+
+    def __init__(self, name: str, regions: Sequence[Region], spans: Sequence[SharedSpan], *,
+                 backends: tuple[str, ...], poll_interval: float,
+                 deliver: Callable[[Notification], None], on_ready: Callable[[Served], None],
+                 on_down: Callable[[], None], noisy: RateLimitedLog) -> None:
+        self._name = name
+        self._regions = list(regions)
+        self._spans = list(spans)
+        self._backends = backends
+        self._poll_interval = poll_interval
+        self._deliver = deliver
+        self._on_ready = on_ready
+        self._on_down = on_down
+        self._noisy = noisy
+        self._scope: anyio.CancelScope | None = None
+        #: Children that ended without being told to (each one was replaced).
+        self.restarts = 0
+        #: The running child's process id; None between children.
+        self.pid: int | None = None
+
+    def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start the first child and report once it serves (its start failing raises
+        ``AionixlError``), then replace every child that ends, until cancelled."""
+        with anyio.CancelScope() as self._scope:
+            await self._child(0, task_status)
+            generation, delay = 1, RESTART_DELAY[0]
+            while True:
+                self.restarts += 1
+                self._on_down()
+                await anyio.sleep(delay)
+                try:
+                    await self._child(generation, None)
+                    delay = RESTART_DELAY[0]
+                except AionixlError as exc:
+                    self._noisy.log(logging.ERROR, "sidecar-start", "%s", exc)
+                    delay = min(delay * 2, RESTART_DELAY[1])
+                generation += 1
+
+    async def _child(self, generation: int, task_status: anyio.abc.TaskStatus[None] | None) -> None:
+        """Run one child until it ends; raises ``AionixlError`` if it never served."""
+        spec = {"name": f"{self._name}-vllm-{generation}", "backends": list(self._backends),
+                "poll_interval": self._poll_interval,
+                "regions": [[s.fd, s.offset, r.stride, r.block_bytes, r.num_blocks]
+                            for r, s in zip(self._regions, self._spans, strict=True)]}
+        argv = [sys.executable, "-c", "from aionixl._vllm_sidecar import main; main()",
+                msgspec.json.encode(spec).decode()]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parent.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        try:  # Popen, not anyio.open_process: asyncio watches a child with a thread on 3.11
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                    pass_fds=sorted({s.fd for s in self._spans}),
+                                    start_new_session=True)  # a terminal's ^C is the engine's to handle
+        except OSError as exc:
+            raise AionixlError(f"cannot start the vLLM serving process: {exc}") from exc
+        try:
+            child = _Child(proc)
+        except OSError as exc:  # no pidfd (Linux < 5.3)
+            proc.kill()
+            proc.wait()  # just killed: returns at once
+            raise AionixlError(f"cannot watch the vLLM serving process: {exc}") from exc
+        self.pid = proc.pid
+        try:
+            ready: dict[str, Any] | None = None
+            with anyio.move_on_after(START_TIMEOUT):
+                ready = await child.receive()
+            if ready is None or "ready" not in ready:
+                code = await child.wait(1.0)
+                why = f"it exited with code {code}" if code is not None \
+                    else f"no report within {START_TIMEOUT:g} s"
+                raise AionixlError(f"the vLLM serving process (pid {proc.pid}) did not start: {why}")
+            bases = ready["ready"]["bases"]
+            served = [RegionInfo(base, r.stride, r.block_bytes, r.num_blocks, "DRAM", 0)
+                      for base, r in zip(bases, self._regions, strict=True)]
+            self._on_ready(Served(base64.b64decode(ready["ready"]["metadata"]), served, generation))
+            if task_status is not None:
+                task_status.started()
+            while (message := await child.receive()) is not None:
+                for agent, text in message.get("notifs", ()):
+                    self._deliver(Notification(agent, base64.b64decode(text)))
+            code = await child.wait(STOP_TIMEOUT)
+            self._noisy.log(logging.ERROR, "sidecar-exit", "the vLLM serving process (pid %d) ended "
+                            "with code %s; starting another", proc.pid, code)
+        finally:
+            self.pid = None
+            with anyio.CancelScope(shield=True):
+                await child.stop()
+
+
+class _Child:
+    """One child process driven from the event loop: its messages (stdout, non-blocking)
+    and its end (a pidfd, readable once it exited)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        self._proc = proc
+        self._out = proc.stdout.fileno()
+        os.set_blocking(self._out, False)
+        self._pidfd = os.pidfd_open(proc.pid)
+        self._reader = LineReader()
+
+    async def receive(self) -> dict[str, Any] | None:
+        """The next message; None once the child's stdout closed."""
+        while (message := self._reader.pop()) is None:
+            await anyio.wait_readable(self._out)
+            try:
+                chunk = os.read(self._out, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return None
+            self._reader.feed(chunk)
+        return message
+
+    async def wait(self, limit: float) -> int | None:
+        """The exit code once the child ended (reaped), or None if it still runs after ``limit``."""
+        with anyio.move_on_after(limit):
+            await anyio.wait_readable(self._pidfd)
+        return self._proc.poll()
+
+    async def stop(self) -> None:
+        """Tell the child to exit (end of its stdin), wait a bounded time, kill it, release all."""
+        assert self._proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+        if await self.wait(STOP_TIMEOUT) is None:
+            self._proc.kill()
+            await self.wait(STOP_TIMEOUT)  # SIGKILL: ends it unless the kernel holds it
+        for fd in (self._out, self._pidfd):
+            anyio.notify_closing(fd)
+        assert self._proc.stdout is not None
+        self._proc.stdout.close()
+        os.close(self._pidfd)
+
+
+# ---- the child ---------------------------------------------------------------------------
+
+def _map_regions(rows: list[list[int]]) -> tuple[list[Region], list[Any]]:
+    """The engine's regions at this process's addresses, and the mappings that hold them."""
+    maps: dict[int, np.ndarray] = {}
+    regions = []
+    for fd, offset, stride, block_bytes, num_blocks in rows:
+        if fd not in maps:
+            mapping = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            maps[fd] = np.frombuffer(mapping, dtype=np.uint8)
+        regions.append(Region(int(maps[fd].ctypes.data) + offset, stride, block_bytes, num_blocks, "DRAM", 0))
+    return regions, list(maps.values())
+
+
+async def _serve(spec: dict[str, Any], ctl: int) -> None:
+    regions, keep = _map_regions(spec["regions"])
+    agent = Agent(spec["name"], tuple(spec["backends"]), progress_thread=True,
+                  progress_delay_us=PROGRESS_DELAY_US)
+    try:
+        agent.register(registration_spans(regions), "DRAM")
+        write_fd(ctl, {"ready": {"metadata": base64.b64encode(agent.metadata()).decode(),
+                                 "bases": [r.base for r in regions]}})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_relay, agent, ctl, float(spec["poll_interval"]))
+            await _until_stdin_ends()
+            tg.cancel_scope.cancel()
+    finally:
+        agent.deregister_all()
+        agent.destroy()
+        del keep
+
+
+async def _relay(agent: Agent, ctl: int, cap: float) -> None:
+    """Poll NIXL for notifications and pass them on: every loop turn while they arrive,
+    backing off (doubling) to ``cap`` while none do."""
+    interval = 0.0
+    while True:
+        notifs = agent.get_notifs()
+        batch = [[name, base64.b64encode(m).decode()] for name, ms in notifs.items() for m in ms]
+        if batch:
+            write_fd(ctl, {"notifs": batch})
+            interval = 0.0
+        else:
+            interval = min(cap, max(interval * 2.0, 20e-6))
+        await anyio.sleep(interval)
+
+
+async def _until_stdin_ends() -> None:
+    os.set_blocking(0, False)
+    while True:
+        await anyio.wait_readable(0)
+        try:
+            if not os.read(0, 4096):
+                return
+        except BlockingIOError:
+            continue
+
+
+def main() -> None:
+    ctl = os.dup(1)
+    os.dup2(2, 1)  # NIXL and UCX log to stdout: stdout is the parent's channel here
+    anyio.run(_serve, msgspec.json.decode(sys.argv[1]), ctl)
+

@@ -1,0 +1,137 @@
+"""``serve_vllm(isolate=True)``: vLLM decoders read from a child process, so that UCX
+aborting the process that serves a dead reader's READ (over UCX TCP) spares the engine.
+
+The readers here are aionixl's own vLLM client (the same handshake a vLLM decode worker
+makes, real NIXL reads from the child's agent); the real vLLM decode killed mid-read is in
+``tests_vllm/test_vllm_serve.py``. The child is killed here with SIGABRT, the signal UCX's
+abort raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+
+import anyio
+import numpy as np
+import pytest
+
+import aionixl
+import aionixl.vllm
+from aionixl import _shared
+from aionixl._regions import describe_region
+
+from .helpers import numpy_cache, zero_resources
+
+pytestmark = pytest.mark.anyio
+
+BLOCKS, BLOCK_BYTES, REGIONS = 32, 4096, 2
+SERVE = {"engine_id": "prefill-0", "compat_hash": "c0ffee" * 8, "block_size": 16,
+         "kv_cache_layout": "LBHNC", "attn_backend_name": "CPU_ATTN"}
+
+
+def shared_cache(seed: int) -> list[np.ndarray]:
+    """Two regions in one shared buffer (the second at an offset), filled from ``seed``."""
+    buf = aionixl.shared_dram(REGIONS * BLOCKS * BLOCK_BYTES)
+    buf[:] = np.random.default_rng(seed).integers(0, 256, buf.size, dtype=np.uint8)
+    return [buf[i * BLOCKS * BLOCK_BYTES:(i + 1) * BLOCKS * BLOCK_BYTES].reshape(BLOCKS, BLOCK_BYTES)
+            for i in range(REGIONS)]
+
+
+async def read_through(address: str, src: list[np.ndarray], lease: aionixl.Lease, remote: list[int]) -> None:
+    """A new aionixl reader reads ``remote`` through the side channel at ``address``;
+    bytes compared, and its read-done releases ``lease``."""
+    dst = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    async with aionixl.Engine("reader", dst, listen=None) as decode:
+        peer = await decode.connect_vllm(address, timeout=10)
+        local = list(range(len(remote)))
+        done = aionixl.vllm.read_notification(lease.request_id)
+        await decode.transfer_blocks(peer, local, remote, notify=done, timeout=10)
+        with anyio.fail_after(10):
+            await lease.wait()
+        assert all(np.array_equal(d[local], s[remote]) for d, s in zip(dst, src, strict=True))
+    assert zero_resources(decode)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_an_isolated_server_serves_reads_from_a_child_process_and_relays_its_read_done() -> None:
+    src = shared_cache(seed=5)
+    async with aionixl.Engine("p", src, listen=None) as prefill:
+        before = {t.ident for t in threading.enumerate()}
+        address = await prefill.serve_vllm(**SERVE, isolate=True)
+        sidecar = prefill._vllm_server.sidecar
+        assert sidecar is not None and sidecar.pid is not None
+        pid = sidecar.pid
+        reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
+        new = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert all(name.startswith("Trio thread") for name in new), new  # (the test runner's
+        # trio guest mode): the child is watched from the event loop, where asyncio would
+        # have watched it with a thread of its own on 3.11
+        assert reply.metadata.engine_id == prefill.vllm_engine_id == "prefill-0"
+        assert reply.metadata.agent_metadata != prefill.nixl_metadata()  # the child's agent
+        assert reply.metadata.kv_caches_base_addr != [r.base for r in prefill.regions]
+        await read_through(address, src, prefill.lease("req-1", [3, 9, 4]), [3, 9, 4])
+        assert prefill.metrics().leases_released == 1
+        assert prefill.stats()["vllm_serving_restarts"] == 0
+    assert zero_resources(prefill)
+    assert gone(pid)  # stopped and reaped with the engine
+
+
+async def test_an_aborted_serving_process_is_replaced_under_a_new_engine_id_and_the_engine_goes_on() -> None:
+    src = shared_cache(seed=6)
+    async with aionixl.Engine("p", src, listen=None) as prefill:
+        address = await prefill.serve_vllm(**SERVE, isolate=True)
+        await read_through(address, src, prefill.lease("before", [1]), [1])
+        sidecar = prefill._vllm_server.sidecar
+        assert sidecar is not None and sidecar.pid is not None
+        first = sidecar.pid
+        orphan = prefill.lease("orphan", [2], duration=0.5)  # its reader goes with the child
+        os.kill(first, signal.SIGABRT)
+        with anyio.fail_after(30):
+            while prefill.vllm_engine_id != "prefill-0~1":
+                await anyio.sleep(0.01)
+        assert prefill.stats()["vllm_serving_restarts"] == 1 and sidecar.pid not in (None, first)
+        assert gone(first)
+        with pytest.raises(aionixl.LeaseExpiredError):
+            await orphan.wait()
+        await read_through(address, src, prefill.lease("after", [30, 31]), [30, 31])
+        reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
+        assert reply.metadata.engine_id == "prefill-0~1"
+    assert zero_resources(prefill)
+
+
+async def test_isolation_needs_shared_dram_and_a_refused_call_leaves_the_engine_free_to_serve() -> None:
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
+        with pytest.raises(ValueError, match=r"shared_dram only; kv_caches\[0\]"):
+            await prefill.serve_vllm(**SERVE, isolate=True)
+        with pytest.raises(ValueError, match="isolate must be a bool"):
+            await prefill.serve_vllm(**SERVE, isolate=1)  # type: ignore[arg-type]
+        assert prefill.vllm_engine_id is None
+        address = await prefill.serve_vllm(**SERVE)  # in process
+        assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
+        assert prefill.vllm_engine_id == "prefill-0"
+
+
+def test_shared_dram_is_zeroed_located_and_forgotten_when_dropped() -> None:
+    with pytest.raises(ValueError, match="nbytes"):
+        aionixl.shared_dram(0)
+    buf = aionixl.shared_dram(1 << 16)
+    assert buf.dtype == np.uint8 and buf.shape == (1 << 16,) and not buf.any()
+    span = _shared.locate(describe_region(buf.reshape(16, 4096), 0))
+    assert span is not None and span.offset == 0
+    inner = _shared.locate(describe_region(buf[4096:].reshape(15, 4096), 0))
+    assert inner is not None and inner.offset == 4096
+    assert _shared.locate(describe_region(numpy_cache(4, 4096, 1)[0], 0)) is None
+    base = int(buf.ctypes.data)
+    del buf
+    gc.collect()
+    assert base not in _shared._live
