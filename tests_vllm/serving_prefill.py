@@ -2,14 +2,14 @@
 kill its reader: if the prefill died, the test process must not die with it).
 
     python -m tests_vllm.serving_prefill --fd FD --layers L --blocks B --page P \\
-        --compat-hash H --block-size S --attn-backend A [--progress-thread]
+        --compat-hash H --block-size S --attn-backend A [--progress-thread] [--isolate]
 
 Its blocks hold the pattern the vLLM decode checks (``expected_words``). Messages
 (:mod:`aionixl._lines`): ``ready`` on ``--fd``; commands on stdin, one per line:
 ``{"op": "lease", "req": ID, "blocks": [...], "duration": S}`` (answered ``{"leased": ID}``,
 then ``{"lease": ID, "outcome": "released" | "expired" | ...}`` when it ends) and
-``{"op": "stats"}`` (``{"stats": ..., "resources": ...}``). End of stdin closes the engine
-and reports ``{"closed": live_resources}``.
+``{"op": "stats"}`` (``{"stats": ..., "resources": ..., "vllm_engine_id": ...}``). End of
+stdin closes the engine and reports ``{"closed": live_resources}``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,16 @@ from aionixl._bench._memory import expected_words
 from aionixl._lines import LineReader, write_file
 
 
-def cache(layers: int, blocks: int, page: int) -> list[np.ndarray]:
+def cache(layers: int, blocks: int, page: int, shared: bool) -> list[np.ndarray]:
+    """The pattern, in ``aionixl.shared_dram`` memory with ``shared`` (for ``isolate``)."""
     ids = np.arange(blocks, dtype=np.int64)
-    return [expected_words(layer, ids, page // 8).view(np.uint8).reshape(blocks, page).copy()
-            for layer in range(layers)]
+    regions = [expected_words(layer, ids, page // 8).view(np.uint8).reshape(blocks, page)
+               for layer in range(layers)]
+    if not shared:
+        return [r.copy() for r in regions]
+    buf = aionixl.shared_dram(layers * blocks * page).reshape(layers, blocks, page)
+    buf[:] = regions
+    return list(buf)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -41,11 +47,13 @@ async def serve(args: argparse.Namespace) -> None:
 
     config = aionixl.EngineConfig(nixl_progress_thread=args.progress_thread)
     engine_id = f"serving-prefill-{os.getpid()}"
-    async with aionixl.Engine(engine_id, cache(args.layers, args.blocks, args.page), listen=None,
-                              config=config) as engine, anyio.create_task_group() as tg:
+    kv = cache(args.layers, args.blocks, args.page, args.isolate)
+    async with aionixl.Engine(engine_id, kv, listen=None, config=config) as engine, \
+            anyio.create_task_group() as tg:
         address = await engine.serve_vllm("tcp://127.0.0.1:0", engine_id=engine_id,
                                           compat_hash=args.compat_hash, block_size=args.block_size,
-                                          kv_cache_layout="LBHNC", attn_backend_name=args.attn_backend)
+                                          kv_cache_layout="LBHNC", attn_backend_name=args.attn_backend,
+                                          isolate=args.isolate)
         emit({"ready": {"pid": os.getpid(), "address": address, "engine_id": engine_id}})
 
         async def watch(lease: aionixl.Lease) -> None:
@@ -72,7 +80,8 @@ async def serve(args: argparse.Namespace) -> None:
                     tg.start_soon(watch, lease)
                     emit({"leased": cmd["req"]})
                 elif cmd["op"] == "stats":
-                    emit({"stats": engine.stats(), "resources": engine.live_resources()})
+                    emit({"stats": engine.stats(), "resources": engine.live_resources(),
+                          "vllm_engine_id": engine.vllm_engine_id})
         tg.cancel_scope.cancel()
     emit({"closed": engine.live_resources()})
 
@@ -87,6 +96,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--attn-backend", required=True)
     p.add_argument("--progress-thread", action="store_true")
+    p.add_argument("--isolate", action="store_true", help="serve_vllm(isolate=True)")
     anyio.run(serve, p.parse_args())
 
 

@@ -136,14 +136,15 @@ class ServingPrefill:
     """``tests_vllm.serving_prefill``: an aionixl prefill serving vLLM, in a child process."""
 
     def __init__(self, env: dict[str, str], ready: dict[str, Any], layers: int, blocks: int,
-                 progress_thread: bool) -> None:
+                 progress_thread: bool = False, isolate: bool = False) -> None:
         read_fd, write_fd = os.pipe()
         args = ["--fd", str(write_fd), "--layers", str(layers), "--blocks", str(blocks),
                 "--page", str(ready["page_bytes"]), "--compat-hash", ready["compat_hash"],
                 "--block-size", str(ready["block_size"]), "--attn-backend", ready["attn_backend"]]
         try:
             argv, child_env = module_command("tests_vllm.serving_prefill", *args,
-                                             *(["--progress-thread"] if progress_thread else []), env=env)
+                                             *(["--progress-thread"] if progress_thread else []),
+                                             *(["--isolate"] if isolate else []), env=env)
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                          pass_fds=(write_fd,), env=child_env)
         finally:
@@ -182,19 +183,19 @@ class ServingPrefill:
 
 def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() -> None:
     """Over UCX TCP a READ is served by the target (the prefill sends the data back), and
-    UCX 1.23 aborts the target when that reply's send meets the reader's closed socket: a
-    race, likeliest with many small reads and a target that progresses now and then
-    (docs/vllm.md). The prefill runs as docs/vllm.md recommends there, with NIXL's
-    progress thread on; the decode is killed 0.15 s into a 128 MiB read it is polling.
-    (This pattern did not abort the prefill without the progress thread either, in 6 runs:
-    the test shows survival, not the race.)"""
+    UCX 1.23 can abort the target when that reply's send meets the reader's closed socket
+    (docs/vllm.md; it aborted an in-process server once in CI, progress thread on). The
+    prefill serves with ``isolate=True``, as docs/vllm.md says to there: the reads are served
+    by a child process, and if UCX aborts it the engine replaces it. The decode is killed
+    0.15 s into a 128 MiB read it is polling; whether the child survived or was replaced,
+    the prefill lets the lease expire, serves on and closes with nothing left."""
     env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     layers, blocks = LAYERS, 1024  # a 128 MiB read: ~0.2-0.5 s over loopback TCP
     decode = VllmDecode(layers, blocks, env=env)
     prefill: ServingPrefill | None = None
     try:
         anyio.run(decode.start)
-        prefill = ServingPrefill(env, decode.ready, layers, blocks, progress_thread=True)
+        prefill = ServingPrefill(env, decode.ready, layers, blocks, isolate=True)
         host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
         anyio.run(decode.ask, {"op": "target", "engine_id": prefill.ready["engine_id"], "host": host,
                                "port": int(port)})
@@ -214,8 +215,18 @@ def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() ->
         prefill.send({"op": "stats"})
         stats = prefill.line(lambda m: "stats" in m, 10)
         assert stats["stats"]["vllm_requests_answered"] == 1
-        reply = anyio.run(aionixl.vllm.fetch_metadata, prefill.ready["address"])  # still serving
-        assert reply.metadata.engine_id == prefill.ready["engine_id"]
+        restarts = stats["stats"]["vllm_serving_restarts"]
+        assert restarts in (0, 1)  # 1: UCX aborted the serving child, and it was replaced
+        served_id = prefill.ready["engine_id"] + (f"~{restarts}" if restarts else "")
+        deadline = time.monotonic() + 30
+        while True:  # still serving (once a replacement is up)
+            try:
+                reply = anyio.run(aionixl.vllm.fetch_metadata, prefill.ready["address"])
+                break
+            except aionixl.HandshakeError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert reply.metadata.engine_id == served_id
         closed = prefill.close()
         prefill = None
         assert all(v == 0 for v in closed.values()), closed
