@@ -412,6 +412,7 @@ class Engine:
         deadline = anyio.current_time() + self._config.close_timeout
         try:
             self._bg_scope.cancel()
+            self._vllm_server.stop()  # a serving child still starting is not in _bg_scope yet
             if self._bg_started:
                 with anyio.move_on_after(self._config.close_timeout):
                     await self._bg_done.wait()
@@ -591,11 +592,14 @@ class Engine:
                          pp_rank=pp_rank, tp_rank=tp_rank, layer_names=layer_names, isolate=isolate)
         assert self._bg_tg is not None
         try:
-            if server.sidecar is not None:
-                await self._bg_tg.start(server.sidecar.run)
-            address: str = await self._bg_tg.start(server.listen, listen)
+            with self._life.operation():
+                if server.sidecar is not None:
+                    await self._bg_tg.start(server.sidecar.run)
+                    self._check_open()
+                address: str = await self._bg_tg.start(server.listen, listen)
         except BaseException:
             server.reset()  # a later call may try another endpoint
+            self._check_open()  # the engine closing meanwhile ended the start
             raise
         self._wake_drainer()
         return address

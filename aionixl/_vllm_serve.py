@@ -100,11 +100,17 @@ class VllmServer:
             self.sidecar = Sidecar(self._local.name, self._local.regions, [s for s in spans if s],
                                    backends=self._config.backends,
                                    poll_interval=self._config.notification_poll_interval,
+                                   stop_timeout=self._config.close_timeout / 2,
                                    deliver=self._deliver, on_ready=self._served, on_down=self._down,
                                    noisy=self._noisy)
         else:
             self._payload, self.engine_id, self.serving = payload, engine_id, True
         self.configured = True
+
+    def stop(self) -> None:
+        """Closing: a serving child stops now, even one still starting."""
+        if self.sidecar is not None:
+            self.sidecar.stop()
 
     def reset(self) -> None:
         """Undo :meth:`configure` after a failed start (a later call may try again)."""

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import mmap
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -45,8 +46,6 @@ from ._shared import SharedSpan
 
 #: How long a new child may take to register the regions and report.
 START_TIMEOUT = 60.0
-#: How long a child may take to exit once told to, before it is killed.
-STOP_TIMEOUT = 5.0
 #: Waits before starting a replacement: the first, doubling after failed starts up to the last.
 RESTART_DELAY = (0.2, 5.0)
 #: The child's NIXL progress thread sleeps this long when idle (0 would spin a core).
@@ -67,7 +66,7 @@ class Sidecar:
     """Keeps one serving child for an engine, from :meth:`run` until cancelled."""
 
     def __init__(self, name: str, regions: Sequence[Region], spans: Sequence[SharedSpan], *,
-                 backends: tuple[str, ...], poll_interval: float,
+                 backends: tuple[str, ...], poll_interval: float, stop_timeout: float,
                  deliver: Callable[[Notification], None], on_ready: Callable[[Served], None],
                  on_down: Callable[[], None], noisy: RateLimitedLog) -> None:
         self._name = name
@@ -75,17 +74,20 @@ class Sidecar:
         self._spans = list(spans)
         self._backends = backends
         self._poll_interval = poll_interval
+        self._stop_timeout = stop_timeout
         self._deliver = deliver
         self._on_ready = on_ready
         self._on_down = on_down
         self._noisy = noisy
         self._scope: anyio.CancelScope | None = None
-        #: Children that ended without being told to (each one was replaced).
+        #: Children that ended after serving without being told to (each one is replaced).
         self.restarts = 0
         #: The running child's process id; None between children.
         self.pid: int | None = None
 
     def stop(self) -> None:
+        """End :meth:`run`, also while its first child is starting (the child is stopped
+        within the stop timeout plus a second)."""
         if self._scope is not None:
             self._scope.cancel()
 
@@ -96,13 +98,12 @@ class Sidecar:
             await self._child(0, task_status)
             generation, delay = 1, RESTART_DELAY[0]
             while True:
-                self.restarts += 1
                 self._on_down()
                 await anyio.sleep(delay)
                 try:
                     await self._child(generation, None)
                     delay = RESTART_DELAY[0]
-                except AionixlError as exc:
+                except Exception as exc:  # whatever went wrong, the engine keeps trying
                     self._noisy.log(logging.ERROR, "sidecar-start", "%s", exc)
                     delay = min(delay * 2, RESTART_DELAY[1])
                 generation += 1
@@ -113,60 +114,95 @@ class Sidecar:
                 "poll_interval": self._poll_interval,
                 "regions": [[s.fd, s.offset, r.stride, r.block_bytes, r.num_blocks]
                             for r, s in zip(self._regions, self._spans, strict=True)]}
-        argv = [sys.executable, "-c", "from aionixl._vllm_sidecar import main; main()",
+        # -P: nothing from the working directory shadows the modules the child imports.
+        argv = [sys.executable, "-P", "-c", "from aionixl._vllm_sidecar import main; main()",
                 msgspec.json.encode(spec).decode()]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parent.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
         try:  # Popen, not anyio.open_process: asyncio watches a child with a thread on 3.11
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(),
                                     pass_fds=sorted({s.fd for s in self._spans}),
                                     start_new_session=True)  # a terminal's ^C is the engine's to handle
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise AionixlError(f"cannot start the vLLM serving process: {exc}") from exc
         try:
-            child = _Child(proc)
+            child = _Child(proc, self._stop_timeout)
         except OSError as exc:  # no pidfd (Linux < 5.3)
             proc.kill()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
             proc.wait()  # just killed: returns at once
             raise AionixlError(f"cannot watch the vLLM serving process: {exc}") from exc
         self.pid = proc.pid
         try:
-            ready: dict[str, Any] | None = None
-            with anyio.move_on_after(START_TIMEOUT):
-                ready = await child.receive()
-            if ready is None or "ready" not in ready:
+            try:
+                ready: dict[str, Any] | None = None
+                with anyio.move_on_after(START_TIMEOUT):
+                    ready = await child.receive()
+                served = None if ready is None else self._served(ready.get("ready"), generation)
+            except ValueError as exc:  # a malformed line or report
+                raise AionixlError(f"the vLLM serving process (pid {proc.pid}) did not start: "
+                                   f"bad report: {exc}") from exc
+            if served is None:
                 code = await child.wait(1.0)
                 why = f"it exited with code {code}" if code is not None \
                     else f"no report within {START_TIMEOUT:g} s"
                 raise AionixlError(f"the vLLM serving process (pid {proc.pid}) did not start: {why}")
-            bases = ready["ready"]["bases"]
-            served = [RegionInfo(base, r.stride, r.block_bytes, r.num_blocks, "DRAM", 0)
-                      for base, r in zip(bases, self._regions, strict=True)]
-            self._on_ready(Served(base64.b64decode(ready["ready"]["metadata"]), served, generation))
+            self._on_ready(served)
             if task_status is not None:
                 task_status.started()
-            while (message := await child.receive()) is not None:
-                for agent, text in message.get("notifs", ()):
-                    self._deliver(Notification(agent, base64.b64decode(text)))
-            code = await child.wait(STOP_TIMEOUT)
-            self._noisy.log(logging.ERROR, "sidecar-exit", "the vLLM serving process (pid %d) ended "
-                            "with code %s; starting another", proc.pid, code)
+            try:
+                while (message := await child.receive()) is not None:
+                    for agent, text in message.get("notifs", ()):
+                        self._deliver(Notification(agent, base64.b64decode(text)))
+                why = f"ended with code {await child.wait(1.0)}"
+            except (ValueError, TypeError) as exc:  # it spoke nonsense: it is stopped below
+                why = f"sent a bad message ({exc}); stopped"
+            self.restarts += 1
+            self._noisy.log(logging.ERROR, "sidecar-exit", "the vLLM serving process (pid %d) %s; "
+                            "starting another", proc.pid, why)
         finally:
             self.pid = None
             with anyio.CancelScope(shield=True):
                 await child.stop()
+
+    def _served(self, report: Any, generation: int) -> Served | None:
+        """What a ready report says; ``ValueError`` for a malformed one."""
+        if report is None:
+            return None
+        try:
+            bases = report["bases"]
+            metadata = base64.b64decode(report["metadata"], validate=True)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"no {exc}") from exc
+        if not isinstance(bases, list) or len(bases) != len(self._regions) \
+                or not all(type(b) is int and b > 0 for b in bases):
+            raise ValueError(f"bases {bases!r}")
+        regions = [RegionInfo(base, r.stride, r.block_bytes, r.num_blocks, "DRAM", 0)
+                   for base, r in zip(bases, self._regions, strict=True)]
+        return Served(metadata, regions, generation)
+
+
+def _child_env() -> dict[str, str]:
+    """The engine's environment, with this aionixl's folder on PYTHONPATH when the
+    interpreter would not find it by itself (a path added at run time)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    if root not in sys.path:
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 class _Child:
     """One child process driven from the event loop: its messages (stdout, non-blocking)
     and its end (a pidfd, readable once it exited)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], stop_timeout: float) -> None:
         assert proc.stdout is not None
+        self._pidfd = os.pidfd_open(proc.pid)
         self._proc = proc
+        self._stop_timeout = stop_timeout
         self._out = proc.stdout.fileno()
         os.set_blocking(self._out, False)
-        self._pidfd = os.pidfd_open(proc.pid)
         self._reader = LineReader()
 
     async def receive(self) -> dict[str, Any] | None:
@@ -189,13 +225,15 @@ class _Child:
         return self._proc.poll()
 
     async def stop(self) -> None:
-        """Tell the child to exit (end of its stdin), wait a bounded time, kill it, release all."""
+        """Tell the child to exit (end of its stdin), wait up to the stop timeout, kill it,
+        release all."""
         assert self._proc.stdin is not None
         with contextlib.suppress(OSError):
             self._proc.stdin.close()
-        if await self.wait(STOP_TIMEOUT) is None:
-            self._proc.kill()
-            await self.wait(STOP_TIMEOUT)  # SIGKILL: ends it unless the kernel holds it
+        if await self.wait(self._stop_timeout) is None:
+            with contextlib.suppress(ProcessLookupError):  # its group: it leads a session of its own
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            await self.wait(1.0)  # SIGKILL: ends it unless the kernel holds it
         for fd in (self._out, self._pidfd):
             anyio.notify_closing(fd)
         assert self._proc.stdout is not None

@@ -12,7 +12,10 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
+import time
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -56,10 +59,14 @@ async def read_through(address: str, src: list[np.ndarray], lease: aionixl.Lease
 
 
 def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
+    """Whether the process ``pid`` and its process group (it leads one) are gone, within
+    2 s (a killed grandchild is reaped by init, a moment later)."""
+    for _ in range(200):
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.01)
     return False
 
 
@@ -107,6 +114,34 @@ async def test_an_aborted_serving_process_is_replaced_under_a_new_engine_id_and_
         reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
         assert reply.metadata.engine_id == "prefill-0~1"
     assert zero_resources(prefill)
+
+
+async def test_closing_while_the_serving_process_starts_stops_it_and_the_call_raises_engine_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = tmp_path / "slow-python"  # a child that takes 30 s to start
+    slow.write_text(f"#!/bin/sh\nsleep 30\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow))
+    src = shared_cache(seed=7)
+    errors: list[BaseException] = []
+    async with anyio.create_task_group() as tg:
+        async with aionixl.Engine("p", src, listen=None) as prefill:
+
+            async def serve() -> None:
+                try:
+                    await prefill.serve_vllm(**SERVE, isolate=True)
+                except aionixl.EngineClosedError as exc:
+                    errors.append(exc)
+
+            tg.start_soon(serve)
+            with anyio.fail_after(10):
+                while (sidecar := prefill._vllm_server.sidecar) is None or sidecar.pid is None:
+                    await anyio.sleep(0.001)
+            pid, closing = sidecar.pid, anyio.current_time()
+        closed_in = anyio.current_time() - closing
+    assert len(errors) == 1 and gone(pid)
+    assert closed_in < prefill.config.close_timeout  # half of it for the child, at most
+    assert zero_resources(prefill) and prefill.vllm_engine_id is None
 
 
 async def test_isolation_needs_shared_dram_and_a_refused_call_leaves_the_engine_free_to_serve() -> None:
