@@ -8,7 +8,8 @@ Its blocks hold the pattern the vLLM decode checks (``expected_words``). Message
 (:mod:`aionixl._lines`): ``ready`` on ``--fd``; commands on stdin, one per line:
 ``{"op": "lease", "req": ID, "blocks": [...], "duration": S}`` (answered ``{"leased": ID}``,
 then ``{"lease": ID, "outcome": "released" | "expired" | ...}`` when it ends) and
-``{"op": "stats"}`` (``{"stats": ..., "resources": ..., "vllm_engine_id": ...}``). End of
+``{"op": "stats"}`` (``{"stats": ..., "resources": ..., "vllm_engine_id": ...}``),
+``{"op": "abort-serving-child"}`` (SIGABRT to the ``isolate`` child; ``{"aborted": pid}``). End of
 stdin closes the engine and reports ``{"closed": live_resources}``.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from typing import Any
 
 import anyio
@@ -79,6 +81,11 @@ async def serve(args: argparse.Namespace) -> None:
                     lease = engine.lease(cmd["req"], cmd["blocks"], duration=float(cmd["duration"]))
                     tg.start_soon(watch, lease)
                     emit({"leased": cmd["req"]})
+                elif cmd["op"] == "abort-serving-child":  # as UCX's abort would (isolate)
+                    sidecar = engine._vllm_server.sidecar
+                    assert sidecar is not None and sidecar.pid is not None
+                    os.kill(sidecar.pid, signal.SIGABRT)
+                    emit({"aborted": sidecar.pid})
                 elif cmd["op"] == "stats":
                     emit({"stats": engine.stats(), "resources": engine.live_resources(),
                           "vllm_engine_id": engine.vllm_engine_id})

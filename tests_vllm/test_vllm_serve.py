@@ -235,3 +235,48 @@ def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() ->
         if prefill is not None:
             prefill.proc.kill()
             prefill.proc.wait()
+
+
+def test_a_vllm_decode_reads_again_from_a_replaced_serving_child_under_its_new_engine_id() -> None:
+    """With ``isolate=True``, a serving child that dies (SIGABRT, as UCX aborts) is replaced
+    under ``"<engine_id>~1"``: a real vLLM decode told that id handshakes again (same host
+    and port), reads exact bytes from the replacement, and its notification, relayed by the
+    new child, releases the lease."""
+    layers, blocks = LAYERS, 64
+    decode = VllmDecode(layers, blocks)
+    prefill: ServingPrefill | None = None
+    try:
+        anyio.run(decode.start)
+        prefill = ServingPrefill(dict(os.environ), decode.ready, layers, blocks, isolate=True)
+        engine_id = prefill.ready["engine_id"]
+        host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
+        anyio.run(decode.ask, {"op": "target", "engine_id": engine_id, "host": host, "port": int(port)})
+        got = anyio.run(decode.ask, {"op": "verify", "req": "before", "local": [0, 1], "remote": [7, 8]})
+        assert got == {"ok": True, "blocks": 2}
+        prefill.send({"op": "abort-serving-child"})
+        prefill.line(lambda m: "aborted" in m, 10)
+        deadline = time.monotonic() + 30
+        while True:  # the replacement is up once the engine serves under the new id
+            prefill.send({"op": "stats"})
+            stats = prefill.line(lambda m: "stats" in m, 10)
+            if stats["vllm_engine_id"] == f"{engine_id}~1":
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.1)
+        assert stats["stats"]["vllm_serving_restarts"] == 1
+        prefill.send({"op": "lease", "req": "after", "blocks": [9, 10], "duration": 30.0})
+        prefill.line(lambda m: m.get("leased") == "after", 10)
+        anyio.run(decode.ask, {"op": "target", "engine_id": f"{engine_id}~1", "host": host,
+                               "port": int(port)})
+        got = anyio.run(decode.ask, {"op": "verify", "req": "after", "local": [2, 3], "remote": [9, 10]})
+        assert got == {"ok": True, "blocks": 2}  # a new handshake, then exact bytes
+        ended = prefill.line(lambda m: m.get("lease") == "after", 10)
+        assert ended["outcome"] == "released"  # the decode's notification, via the new child
+        closed = prefill.close()
+        prefill = None
+        assert all(v == 0 for v in closed.values()), closed
+    finally:
+        decode.stop()
+        if prefill is not None:
+            prefill.proc.kill()
+            prefill.proc.wait()
