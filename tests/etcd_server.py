@@ -5,23 +5,18 @@ loopback ports with a temporary data dir, started and stopped synchronously. The
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
+from .helpers import free_port
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 #: etcd's smallest lease TTL with its default timing (a 1 s TTL is raised to it).
 TTL = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +25,7 @@ import numpy as np
 import aionixl
 from aionixl import testing
 from aionixl.testing import unique_name
+from aionixl.testing._child import threads_by_id
 
 HERE = Path(__file__).parent
 
@@ -57,16 +58,14 @@ def zero_resources(engine: aionixl.Engine) -> bool:
     return all(v == 0 for v in engine.live_resources().values())
 
 
-def threads() -> dict[int, str]:
-    """This process's OS threads, id -> name (a thread gone mid-read is skipped)."""
-    found = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                found[int(tid)] = f.read().strip()
-        except OSError:
-            pass
-    return found
+threads = threads_by_id  # this process's OS threads, id -> name
+
+
+def free_port() -> int:
+    """A loopback TCP port free at the time of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # ---- engine internals ------------------------------------------------------------------------

@@ -28,8 +28,8 @@ import pytest
 import aionixl
 from aionixl import EngineRecord, EtcdDiscovery
 
-from .etcd_server import ETCD, TTL, EtcdServer, free_port
-from .helpers import HERE, numpy_cache, unique, zero_resources
+from .etcd_server import ETCD, TTL, EtcdServer
+from .helpers import HERE, free_port, numpy_cache, unique, zero_resources
 
 pytestmark = [
     pytest.mark.anyio,

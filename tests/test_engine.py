@@ -25,6 +25,7 @@ from aionixl import _zmq
 from .helpers import (
     HERE,
     engine_pair,
+    free_port,
     numpy_cache,
     report_inline_ends_as_running,
     threads,
@@ -33,12 +34,6 @@ from .helpers import (
 )
 
 pytestmark = pytest.mark.anyio
-
-
-def free_tcp_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 # ---- moving bytes -------------------------------------------------------------------------
@@ -343,7 +338,7 @@ async def test_compat_keys_must_match() -> None:
 
 
 async def test_connect_to_a_dead_address_times_out() -> None:
-    address = free_tcp_address()
+    address = f"tcp://127.0.0.1:{free_port()}"
     async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
         start = anyio.current_time()
         with pytest.raises(aionixl.HandshakeError, match="no handshake answer"):
@@ -457,7 +452,7 @@ async def test_pending_connect_gets_engine_closed() -> None:
 
 
 async def test_port_can_be_bound_again_right_after_close() -> None:
-    address = free_tcp_address()
+    address = f"tcp://127.0.0.1:{free_port()}"
     async with aionixl.Engine(unique("a"), numpy_cache(2, 64, 1), listen=address) as a:
         assert a.address == address
     async with aionixl.Engine(unique("b"), numpy_cache(2, 64, 1), listen=address) as b:
@@ -944,7 +939,7 @@ async def test_aclose_with_drain_timeout_closes_even_when_cancelled() -> None:
 
 
 async def test_a_caller_sharing_a_failed_handshake_retries_on_its_own_time() -> None:
-    address = free_tcp_address()
+    address = f"tcp://127.0.0.1:{free_port()}"
     # One retry, half a second apart: the first caller's two attempts meet the draining
     # listener (0 s, 0.5 s) and fail for good; the second caller, who shared them, starts its
     # own (0.5 s, 1.0 s) and its second attempt meets the new listener (up at ~0.8 s).

@@ -98,16 +98,21 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def thread_names() -> list[str]:
-    """The names of this process's OS threads (what a report of threads left shows)."""
-    names = []
-    for task in sorted(os.listdir("/proc/self/task")):
+def threads_by_id() -> dict[int, str]:
+    """This process's OS threads, id -> name (a thread gone mid-read is skipped)."""
+    found = {}
+    for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
+                found[int(task)] = f.read().strip()
         except OSError:
             continue  # it has just exited
-    return names
+    return found
+
+
+def thread_names() -> list[str]:
+    """The names of this process's OS threads (what a report of threads left shows)."""
+    return [name for _, name in sorted(threads_by_id().items())]
 
 
 async def settled_threads(at_most: int) -> int:
