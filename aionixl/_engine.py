@@ -130,7 +130,7 @@ class Engine:
         self._push = Pusher(local, config, peers, table, deliver, noisy, self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers, config)
-        self._vllm_server = VllmServer(local, config, noisy, self._wake_drainer, self._relayed)
+        self._vllm_server = VllmServer(local, config, noisy, self._wake_drainer, self._relayed, host)
         self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)
         # The hot path: a call goes straight to the component's coroutine function (the

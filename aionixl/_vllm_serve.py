@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import anyio.abc
@@ -41,14 +41,18 @@ from ._vllm_wire import (
     serving_metadata,
 )
 
+log = logging.getLogger("aionixl")
+
 
 class VllmServer:
     """One engine's vLLM side channel (see :meth:`Engine.serve_vllm`)."""
 
     def __init__(self, local: LocalSide, config: EngineConfig, noisy: RateLimitedLog,
-                 wake_drainer: Callable[[], None], deliver: Callable[[Notification], None]) -> None:
+                 wake_drainer: Callable[[], None], deliver: Callable[[Notification], None],
+                 host: Mapping[str, str]) -> None:
         self._local = local
         self._config = config
+        self._rdma = host.get("rdma") == "1"  # else decodes on other hosts read over UCX TCP
         self._noisy = noisy
         self._wake_drainer = wake_drainer
         self._deliver = deliver  # notifications a serving child relays
@@ -105,6 +109,11 @@ class VllmServer:
                                    noisy=self._noisy)
         else:
             self._payload, self.engine_id, self.serving = payload, engine_id, True
+            if not self._rdma:
+                log.warning("engine %r serves vLLM decoders from its own process on a host without "
+                            "RDMA: over UCX TCP a decode dying mid-read can make UCX abort this "
+                            "process; serve_vllm(isolate=True) serves them from a child process "
+                            "instead (docs/vllm.md)", self._local.name)
         self.configured = True
 
     def stop(self) -> None:

@@ -10,6 +10,7 @@ abort raises.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ import pytest
 import aionixl
 import aionixl.vllm
 from aionixl import _shared
+from aionixl._hostfacts import host_facts
 from aionixl._regions import describe_region
 
 from .helpers import numpy_cache, zero_resources
@@ -144,14 +146,19 @@ async def test_closing_while_the_serving_process_starts_stops_it_and_the_call_ra
     assert zero_resources(prefill) and prefill.vllm_engine_id is None
 
 
-async def test_isolation_needs_shared_dram_and_a_refused_call_leaves_the_engine_free_to_serve() -> None:
+async def test_isolation_needs_shared_dram_and_a_refused_call_leaves_the_engine_free_to_serve(
+        caplog: pytest.LogCaptureFixture) -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
         with pytest.raises(ValueError, match=r"shared_dram only; kv_caches\[0\]"):
             await prefill.serve_vllm(**SERVE, isolate=True)
         with pytest.raises(ValueError, match="isolate must be a bool"):
             await prefill.serve_vllm(**SERVE, isolate=1)  # type: ignore[arg-type]
         assert prefill.vllm_engine_id is None
-        address = await prefill.serve_vllm(**SERVE)  # in process
+        with caplog.at_level(logging.WARNING, logger="aionixl"):
+            address = await prefill.serve_vllm(**SERVE)  # in process
+        # On a host without RDMA, decodes elsewhere read over UCX TCP: the log says what to do.
+        warned = any("isolate=True" in r.getMessage() for r in caplog.records)
+        assert warned == (host_facts()["rdma"] != "1")
         assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
         assert prefill.vllm_engine_id == "prefill-0"
 
