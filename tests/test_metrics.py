@@ -516,9 +516,18 @@ async def test_metrics_and_the_collector_from_another_thread_while_transfers_run
                 c.check("collector", op, scraped, low[op], high[op])  # type: ignore[arg-type]
                 assert found["aionixl_transfers_total", src.name, op, "ok"] == 0
 
+        # A quarter, half and three quarters in, every worker waits until the thread has read
+        # a third, two thirds, all of ten rounds: its reads fall among the transfers however
+        # fast the loop runs them (on uvloop, all once finished before ten rounds were read).
+        paced = {rounds * k // 4: 4 * 10 * k // 3 for k in (1, 2, 3)}
+
         async def worker(op: Literal["read", "write"], nblocks: int, first: int) -> None:
             started, finished = tally.started[op], tally.finished[op]
             for i in range(rounds):
+                if i in paced:
+                    with anyio.fail_after(60):
+                        while checker.reads < paced[i]:
+                            await anyio.sleep(0.001)
                 at = (first + i * nblocks) % (BLOCKS - nblocks)
                 ids = list(range(at, at + nblocks))
                 started[1] += nblocks
