@@ -34,6 +34,11 @@ class Region:
     mem_type: str  # "DRAM" or "VRAM"
     device: int
 
+    @property
+    def span(self) -> int:
+        """Bytes from ``base`` to the end of the last block."""
+        return (self.num_blocks - 1) * self.stride + self.block_bytes
+
 
 def describe_region(obj: object, position: int) -> Region:
     """Check one kv_caches entry and say where its blocks are, or raise ValueError."""
@@ -133,8 +138,7 @@ def _is_tensor(obj: object) -> bool:
 def block_view(region: Region) -> npt.NDArray[np.uint8]:
     """A writable ``(num_blocks, block_bytes)`` uint8 view of a DRAM region's blocks, over
     the region's own memory (the caller checked it is host memory that outlives the view)."""
-    span = region.stride * (region.num_blocks - 1) + region.block_bytes
-    flat = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(region.base))
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * region.span).from_address(region.base))
     return np.lib.stride_tricks.as_strided(flat, shape=(region.num_blocks, region.block_bytes),
                                            strides=(region.stride, 1), writeable=True)
 
@@ -156,9 +160,7 @@ def registration_spans(regions: Sequence[Region]) -> npt.NDArray[np.uint64]:
 
     Views of one tensor may share or touch memory; NIXL registers each byte once.
     """
-    spans = sorted(
-        (r.device, r.base, r.base + (r.num_blocks - 1) * r.stride + r.block_bytes) for r in regions
-    )
+    spans = sorted((r.device, r.base, r.base + r.span) for r in regions)
     merged: list[list[int]] = []
     for device, start, end in spans:
         if merged and merged[-1][0] == device and start <= merged[-1][2]:

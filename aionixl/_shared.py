@@ -62,8 +62,7 @@ def _forget(base: int, fd: int) -> None:
 
 def locate(region: Region) -> SharedSpan | None:
     """The shared buffer holding all of ``region``, or None when it is not in one."""
-    end = region.base + (region.num_blocks - 1) * region.stride + region.block_bytes \
-        if region.num_blocks else region.base
+    end = region.base + region.span
     for base, (fd, length) in list(_live.items()):  # a collection may run _forget meanwhile
         if base <= region.base and end <= base + length:
             return SharedSpan(fd, region.base - base)

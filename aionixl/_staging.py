@@ -116,7 +116,6 @@ class Staging:
             self._stranded[(server, rid)] = (slots, metadata)
             self._wake()  # fewer usable: a reader waiting for more than are left gives up
 
-
     def confirmed_late(self, server: str, rid: int) -> None:
         """The server confirmed round ``rid`` after the reader had given up on it."""
         entry = self._stranded.pop((server, rid), None)
