@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,3 +68,16 @@ def locate(region: Region) -> SharedSpan | None:
         if base <= region.base and end <= base + length:
             return SharedSpan(fd, region.base - base)
     return None
+
+
+def locate_all(regions: Sequence[Region]) -> list[SharedSpan]:
+    """Where each region lies in :func:`shared_dram` memory; ``ValueError`` naming the
+    first that does not (VRAM never does)."""
+    spans = []
+    for i, region in enumerate(regions):
+        span = locate(region) if region.mem_type == "DRAM" else None
+        if span is None:
+            raise ValueError(f"serve_vllm(isolate=True) serves DRAM allocated with aionixl.shared_dram "
+                             f"only; kv_caches[{i}] is not in such a buffer")
+        spans.append(span)
+    return spans

@@ -29,7 +29,7 @@ from ._errors import ListenError
 from ._lifecycle import LocalSide
 from ._notifications import Notification
 from ._ratelimit import RateLimitedLog
-from ._shared import locate
+from ._shared import locate_all
 from ._vllm_sidecar import Served, Sidecar
 from ._vllm_wire import (
     MAX_REQUEST_BYTES,
@@ -86,10 +86,7 @@ class VllmServer:
         check_int(tp_rank, "tp_rank", 0)
         if not isinstance(isolate, bool):
             raise ValueError(f"isolate must be a bool, got {isolate!r}")
-        spans = [locate(r) if r.mem_type == "DRAM" else None for r in self._local.regions]
-        if isolate and None in spans:
-            raise ValueError(f"serve_vllm(isolate=True) serves DRAM allocated with aionixl.shared_dram "
-                             f"only; kv_caches[{spans.index(None)}] is not in such a buffer")
+        spans = locate_all(self._local.regions) if isolate else []
 
         def describe(served_id: str, metadata: bytes, regions: list[proto.RegionInfo]) -> bytes:
             md = serving_metadata(served_id, metadata, regions, block_size=block_size,
@@ -101,7 +98,7 @@ class VllmServer:
         payload = describe(engine_id, self._local.metadata, ours)  # checks the arguments
         self._describe, self._engine_id, self._rank = describe, engine_id, (pp_rank, tp_rank)
         if isolate:
-            self.sidecar = Sidecar(self._local.name, self._local.regions, [s for s in spans if s],
+            self.sidecar = Sidecar(self._local.name, self._local.regions, spans,
                                    backends=self._config.backends,
                                    poll_interval=self._config.notification_poll_interval,
                                    stop_timeout=self._config.close_timeout / 2,
