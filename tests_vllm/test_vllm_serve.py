@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -181,6 +182,31 @@ class ServingPrefill:
         return dict(closed)
 
 
+@contextmanager
+def isolated_prefill_and_decode(env: dict[str, str], layers: int, blocks: int
+                                ) -> Iterator[tuple[VllmDecode, ServingPrefill, str, int]]:
+    """A vLLM decode and an aionixl prefill process serving it with ``isolate=True``, the
+    decode told to read from it; yields them and the side channel's host and port. On the
+    way out the prefill closes with no resource left (asserted); both processes end."""
+    decode = VllmDecode(layers, blocks, env=env)
+    prefill: ServingPrefill | None = None
+    try:
+        anyio.run(decode.start)
+        prefill = ServingPrefill(env, decode.ready, layers, blocks, isolate=True)
+        host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
+        anyio.run(decode.ask, {"op": "target", "engine_id": prefill.ready["engine_id"], "host": host,
+                               "port": int(port)})
+        yield decode, prefill, host, int(port)
+        closed = prefill.close()
+        prefill = None
+        assert all(v == 0 for v in closed.values()), closed
+    finally:
+        decode.stop()
+        if prefill is not None:
+            prefill.proc.kill()
+            prefill.proc.wait()
+
+
 def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() -> None:
     """Over UCX TCP a READ is served by the target (the prefill sends the data back), and
     UCX 1.23 can abort the target when that reply's send meets the reader's closed socket
@@ -191,14 +217,7 @@ def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() ->
     the prefill lets the lease expire, serves on and closes with nothing left."""
     env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
     layers, blocks = LAYERS, 1024  # a 128 MiB read: ~0.2-0.5 s over loopback TCP
-    decode = VllmDecode(layers, blocks, env=env)
-    prefill: ServingPrefill | None = None
-    try:
-        anyio.run(decode.start)
-        prefill = ServingPrefill(env, decode.ready, layers, blocks, isolate=True)
-        host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
-        anyio.run(decode.ask, {"op": "target", "engine_id": prefill.ready["engine_id"], "host": host,
-                               "port": int(port)})
+    with isolated_prefill_and_decode(env, layers, blocks) as (decode, prefill, _, _):
         got = anyio.run(decode.ask, {"op": "verify", "req": "warm", "local": [0, 1], "remote": [7, 8]})
         assert got == {"ok": True, "blocks": 2}  # handshake done, bytes exact over TCP
         prefill.send({"op": "lease", "req": "doomed", "blocks": list(range(blocks)), "duration": 3.0})
@@ -227,14 +246,6 @@ def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() ->
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
         assert reply.metadata.engine_id == served_id
-        closed = prefill.close()
-        prefill = None
-        assert all(v == 0 for v in closed.values()), closed
-    finally:
-        decode.stop()
-        if prefill is not None:
-            prefill.proc.kill()
-            prefill.proc.wait()
 
 
 def test_a_vllm_decode_reads_again_from_a_replaced_serving_child_under_its_new_engine_id() -> None:
@@ -242,15 +253,8 @@ def test_a_vllm_decode_reads_again_from_a_replaced_serving_child_under_its_new_e
     under ``"<engine_id>~1"``: a real vLLM decode told that id handshakes again (same host
     and port), reads exact bytes from the replacement, and its notification, relayed by the
     new child, releases the lease."""
-    layers, blocks = LAYERS, 64
-    decode = VllmDecode(layers, blocks)
-    prefill: ServingPrefill | None = None
-    try:
-        anyio.run(decode.start)
-        prefill = ServingPrefill(dict(os.environ), decode.ready, layers, blocks, isolate=True)
+    with isolated_prefill_and_decode(dict(os.environ), LAYERS, 64) as (decode, prefill, host, port):
         engine_id = prefill.ready["engine_id"]
-        host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
-        anyio.run(decode.ask, {"op": "target", "engine_id": engine_id, "host": host, "port": int(port)})
         got = anyio.run(decode.ask, {"op": "verify", "req": "before", "local": [0, 1], "remote": [7, 8]})
         assert got == {"ok": True, "blocks": 2}
         prefill.send({"op": "abort-serving-child"})
@@ -266,17 +270,8 @@ def test_a_vllm_decode_reads_again_from_a_replaced_serving_child_under_its_new_e
         assert stats["stats"]["vllm_serving_restarts"] == 1
         prefill.send({"op": "lease", "req": "after", "blocks": [9, 10], "duration": 30.0})
         prefill.line(lambda m: m.get("leased") == "after", 10)
-        anyio.run(decode.ask, {"op": "target", "engine_id": f"{engine_id}~1", "host": host,
-                               "port": int(port)})
+        anyio.run(decode.ask, {"op": "target", "engine_id": f"{engine_id}~1", "host": host, "port": port})
         got = anyio.run(decode.ask, {"op": "verify", "req": "after", "local": [2, 3], "remote": [9, 10]})
         assert got == {"ok": True, "blocks": 2}  # a new handshake, then exact bytes
         ended = prefill.line(lambda m: m.get("lease") == "after", 10)
         assert ended["outcome"] == "released"  # the decode's notification, via the new child
-        closed = prefill.close()
-        prefill = None
-        assert all(v == 0 for v in closed.values()), closed
-    finally:
-        decode.stop()
-        if prefill is not None:
-            prefill.proc.kill()
-            prefill.proc.wait()
