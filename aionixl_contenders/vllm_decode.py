@@ -175,7 +175,7 @@ class Decode:
         vLLM's engine loop, each step handing the connector every request that has arrived
         (``start_load_kv``), a forward pass of ``step_s``, then ``get_finished``. Latency
         from each request's scheduled arrival to the step that reports it done."""
-        from aionixl._bench._pdwork import BlockPool, check_words, process_cpu, region_words
+        from aionixl._bench._pdwork import BlockPool, check_words, process_cpu, region_words, start_lead
 
         words = self.side.words
         rw = region_words(words.shape[0], words.shape[2])
@@ -190,7 +190,7 @@ class Decode:
         n, i = len(reqs), 0
         last = 0.0
         cpu0 = process_cpu()
-        t0 = time.perf_counter() + 0.002
+        t0 = time.perf_counter() + start_lead(rate)
         while i < n or pending:
             now = time.perf_counter()
             meta = self._meta_cls()

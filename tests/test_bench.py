@@ -231,6 +231,23 @@ def test_pd_requests_are_seeded_long_tailed_and_distinct() -> None:
     assert not mem.check_sample(local, remote)
 
 
+def test_pd_closed_loop_clock_starts_when_the_step_does() -> None:
+    # A closed loop posts at once: a clock started ahead would not count its first requests
+    # (bare NIXL's loop was credited 2 ms a step that way). An open loop's first arrival is
+    # due a fixed lead after the start, the same for every contender.
+    import time
+
+    from aionixl._bench._pdwork import BlockPool, PdMemory, StepRecorder, default_pd
+
+    pd = default_pd()
+    for rate, lead in ((None, 0.0), (100.0, 0.002)):
+        rec = StepRecorder(PdMemory(1, 8, 64), BlockPool(8, 1), pd, rate)
+        before = time.perf_counter()
+        t0 = rec.start()
+        after = time.perf_counter()
+        assert before + lead <= t0 <= after + lead
+
+
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

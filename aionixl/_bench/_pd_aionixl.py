@@ -90,7 +90,7 @@ async def _step(ctx: Context, name: str, rec: StepRecorder, reqs: list[Request],
                     await one(req, ids, time.perf_counter())
 
             async with anyio.create_task_group() as tg:
-                rec.start(0.0)
+                rec.start()
                 for _ in range(concurrency):
                     tg.start_soon(worker)
         checked += await _verify(ctx, eng, peer)

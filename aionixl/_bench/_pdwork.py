@@ -182,6 +182,14 @@ def check_words(words: npt.NDArray[np.uint64], local: I64, remote: I64,
     return bool(np.array_equal(words[:, local, :], want))
 
 
+def start_lead(rate: float | None) -> float:
+    """Seconds from a step's start to its first scheduled arrival: an open loop's first
+    request is due 2 ms on (the pacer's set-up); a closed loop (``rate`` None) starts at
+    once, its clock running from the start, so that no contender's first requests run
+    before its clock does."""
+    return 0.002 if rate else 0.0
+
+
 def process_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -221,9 +229,10 @@ class StepRecorder:
         self._last = 0.0
         self.block_bytes = spec.bytes_per_block_id
 
-    def start(self, lead_s: float = 0.002) -> float:
+    def start(self) -> float:
+        """The step's clock starts: t0 is the first scheduled arrival (:func:`start_lead`)."""
         self._cpu0 = process_cpu()
-        self.t0 = time.perf_counter() + lead_s
+        self.t0 = time.perf_counter() + start_lead(self.rate)
         return self.t0
 
     def due(self, req: Request) -> float:
