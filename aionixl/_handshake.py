@@ -32,7 +32,7 @@ from ._lifecycle import OPEN, Lifecycle, LocalSide
 from ._peer import Peer
 from ._peers import PeerTable
 from ._ratelimit import RateLimitedLog
-from ._wire import FEATURES
+from ._wire import FEATURES, PROBE
 
 log = logging.getLogger("aionixl")
 
@@ -265,6 +265,7 @@ class Handshakes:
             raise RefusedError(f"unusable handshake reply from {address}: {exc}") from exc
         try:
             agent.make_connection(peer.name)
+            agent.send_notif(peer.name, PROBE)
         except AionixlError:
             self._peers.drop(peer, None)
             raise
