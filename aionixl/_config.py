@@ -76,6 +76,11 @@ class EngineConfig:
     coalesce: bool = True
     #: The most blocks one merged request carries; callers beyond it start another.
     coalesce_max_blocks: int = 4096
+    #: Calls that move more bytes than this post alone, never in a merged request. Merging
+    #: saves a caller its own post, state checks and wake, most of a small call's cost but
+    #: little of a large one's, while every member of a merged request waits for all of
+    #: its bytes (measured in docs/coalescing.md).
+    coalesce_max_call_bytes: int = 512 << 10
     #: Calls from different tasks closer together than this "arrive together": the later
     #: one gathers a merged request (one trip through the event loop) instead of posting
     #: alone. A caller looping on its own never gathers, whatever the window.
@@ -133,6 +138,7 @@ class EngineConfig:
             "max_pending_notifications": self.max_pending_notifications,
             "max_handshake_bytes": self.max_handshake_bytes,
             "coalesce_max_blocks": self.coalesce_max_blocks,
+            "coalesce_max_call_bytes": self.coalesce_max_call_bytes,
             "push_chunk_bytes": self.push_chunk_bytes,
             "max_pushes_per_peer": self.max_pushes_per_peer,
         }

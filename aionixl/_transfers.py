@@ -69,7 +69,9 @@ class Transfers:
         self._metrics = metrics
         self._turns = turns
         self._reconnect = reconnect
-        self._coalesce = config.coalesce
+        #: The most blocks a call may move and still ride in a merged request.
+        self._ride_blocks = config.coalesce_max_call_bytes // local.bytes_per_block
+        self._coalesce = config.coalesce and self._ride_blocks > 0
         self._num_blocks = local.num_blocks
         self._offset_list = local.offset_list
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
@@ -132,7 +134,7 @@ class Transfers:
         if coalescer.owing:
             await coalescer.pay_owed_cancel()
         started = _perf()
-        if self._coalesce and coalescer.together(peer, op, started, message):
+        if self._coalesce and nblocks <= self._ride_blocks and coalescer.together(peer, op, started, message):
             dest, src = (local_blocks, remote_blocks) if op == "read" else (remote_blocks, local_blocks)
             return await coalescer.ride(peer, op, local_idx, remote_idx, nblocks, message, dest, src,
                                         started, timeout)

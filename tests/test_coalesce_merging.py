@@ -354,6 +354,35 @@ async def test_coalescing_off_posts_one_request_per_call() -> None:
         assert np.array_equal(dst_cache[0][:32], src_cache[0][:32])
 
 
+async def test_calls_moving_more_than_coalesce_max_call_bytes_post_alone() -> None:
+    # Four blocks of 2 KiB ride; five do not. Large calls gain little from a shared post and
+    # would wait for each other's bytes (docs/coalescing.md).
+    limit = 4 * BLOCK_BYTES * REGIONS
+    config = aionixl.EngineConfig(coalesce_window=0.05, coalesce_max_call_bytes=limit)
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=34)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+        async def read(size: int, i: int) -> None:
+            ids = list(range(i * size, (i + 1) * size))
+            await dst.transfer_blocks(peer, ids, ids[::-1])
+
+        for size, callers in ((5, 12), (4, 16)):
+            before = merged(dst)
+            async with anyio.create_task_group() as tg:
+                for i in range(callers):
+                    tg.start_soon(read, size, i)
+            requests, calls = (a - b for a, b in zip(merged(dst), before, strict=True))
+            if size == 5:
+                assert (requests, calls) == (0, 0)
+            else:
+                assert requests >= 1 and calls >= 2 * requests, (requests, calls)
+            for i in range(callers):
+                ids = list(range(i * size, (i + 1) * size))
+                for region in range(REGIONS):
+                    assert np.array_equal(dst_cache[region][ids], src_cache[region][ids[::-1]]), (size, i)
+    assert zero_resources(dst) and zero_resources(src)
+
+
 async def test_a_merged_request_of_a_mebibyte_or_more_carries_every_member_exactly() -> None:
     """Such a request gets one more loop turn before its post (the copy inside the post is
     long); its members still get their own bytes, and nothing is left behind."""

@@ -15,7 +15,8 @@ import aionixl
     {"compat": {"a": 1}}, {"connect_retries": -1}, {"connect_retries": True},
     {"connect_backoff": 0}, {"connect_attempt_timeout": -2}, {"close_grace": math.nan},
     {"peer_probe_interval": 0}, {"handshake_secret": b"short"}, {"handshake_secret": "text-secret-16-bytes"},
-    {"coalesce": 1}, {"coalesce_max_blocks": 0}, {"coalesce_window": -1e-6}, {"coalesce_window": math.inf},
+    {"coalesce": 1}, {"coalesce_max_blocks": 0}, {"coalesce_max_call_bytes": 0},
+    {"coalesce_window": -1e-6}, {"coalesce_window": math.inf},
 ])
 def test_bad_config_is_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
