@@ -248,6 +248,18 @@ def test_pd_closed_loop_clock_starts_when_the_step_does() -> None:
         assert before + lead <= t0 <= after + lead
 
 
+def test_pd_step_cpu_stops_at_the_last_request_not_at_the_contenders_teardown() -> None:
+    from aionixl._bench._pdwork import BlockPool, PdMemory, StepRecorder, default_pd, process_cpu
+
+    rec = StepRecorder(PdMemory(1, 8, 64), BlockPool(8, 1), default_pd(), None)
+    rec.start()
+    rec.stop()
+    burn_until = process_cpu() + 0.1  # a teardown that takes 0.1 s of CPU
+    while process_cpu() < burn_until:
+        pass
+    assert rec.finish().cpu_s < 0.05
+
+
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

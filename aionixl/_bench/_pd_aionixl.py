@@ -93,6 +93,7 @@ async def _step(ctx: Context, name: str, rec: StepRecorder, reqs: list[Request],
                 rec.start()
                 for _ in range(concurrency):
                     tg.start_soon(worker)
+        rec.stop()  # the verify read and the engine's close are not the workload's
         checked += await _verify(ctx, eng, peer)
     return checked
 

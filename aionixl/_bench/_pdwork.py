@@ -226,6 +226,7 @@ class StepRecorder:
         self.result = StepResult()
         self.t0 = 0.0
         self._cpu0 = 0.0
+        self._cpu_s: float | None = None
         self._last = 0.0
         self.block_bytes = spec.bytes_per_block_id
 
@@ -265,6 +266,13 @@ class StepRecorder:
         res.verified += 1
         self.pool.give(local)
 
+    def stop(self) -> None:
+        """Every request is done: the step's CPU clock stops. What a contender does after
+        (checking its verify set again, closing its engine) is its own, not the workload's.
+        ``finish`` stops it where a contender did not."""
+        if self._cpu_s is None:
+            self._cpu_s = process_cpu() - self._cpu0
+
     def adopt(self, measured: dict[str, Any]) -> None:
         """A step measured in another process (the vLLM decode worker): its numbers."""
         res = self.result
@@ -278,6 +286,8 @@ class StepRecorder:
         res = self.result
         if getattr(self, "_adopted", False):
             return res
-        res.cpu_s = process_cpu() - self._cpu0
+        self.stop()
+        assert self._cpu_s is not None
+        res.cpu_s = self._cpu_s
         res.wall_s = max(self._last - self.t0, 1e-9)
         return res
