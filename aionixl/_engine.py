@@ -115,7 +115,7 @@ class Engine:
         table = self._inflight = InFlightTable(local, peers.evict, self._wake_drainer)
         metrics = self._transfer_metrics = TransferMetrics(TransferResult, local.bytes_per_block,
                                                            len(self._regions), noisy)
-        turns = LoopTurns()
+        turns = self._turns = LoopTurns()
         direct = self._direct = DirectPath(local, life, config, peers, table, metrics, turns)
         self._coalescer = Coalescer(local, life, config, peers, table, direct, metrics, turns)
         leases = self._leases = LeaseTable()
@@ -268,6 +268,7 @@ class Engine:
             tools = loop_tools()
             self._inflight.bind_loop(tools)
             self._coalescer.bind_loop(tools)
+            self._turns.bind_loop(tools)
             self._local.zctx = zmq.Context()
             self._bg_started = True
             await self._tg.start(self._run_background)

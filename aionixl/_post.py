@@ -14,6 +14,7 @@ reconnect: ``Peer._revive``).
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -24,6 +25,7 @@ from ._inflight import InFlightTable
 from ._lifecycle import DRAINING, OPEN, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices, Status
+from ._parking import LoopTools
 from ._parts import PartLists
 from ._peer import Peer
 from ._peers import PeerTable
@@ -44,23 +46,32 @@ class LoopTurns:
     """When the transfer path last went through the event loop, and how long it may go
     without (the slice adapts: long while yielding finds the loop idle, so a lone caller
     pays little; short once other tasks were waiting, so 64 busy callers each get a short
-    turn, not 2 ms)."""
+    turn, not 2 ms).
 
-    __slots__ = ("last_yield", "slice")
+    A call that finds the slice used up goes through the loop as it starts, a plain
+    checkpoint: a caller looping on transfers that finish inside their post lets other
+    tasks run, and a cancellation reaches it there, before anything is checked or posted.
+    (A yield after such a transfer would have to be shielded, since a cancel must not turn
+    data in place into a failure; a loop of such calls could then not be cancelled.)
+    """
+
+    __slots__ = ("last_yield", "slice", "_checkpoint")
 
     def __init__(self) -> None:
         self.last_yield = 0.0  # perf_counter()
         self.slice = _SLICE_LONG
+        self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
 
-    async def take_turn(self, now: float) -> float:
-        """Go through the loop (the slice was used up at ``now``); returns the time after."""
-        # Shielded: the transfer is done; a cancel must not turn it into a failure (a
-        # caller that retried would write, and notify, twice).
-        await anyio.lowlevel.cancel_shielded_checkpoint()
-        after = time.perf_counter()
-        self.slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
-        self.last_yield = after
-        return after
+    def bind_loop(self, tools: LoopTools) -> None:
+        """Called in the engine's event loop: its own cheapest checkpoint."""
+        self._checkpoint = tools.yield_now
+
+    async def take_turn(self) -> None:
+        """Go through the loop (the caller found its slice used up); cancellable."""
+        before = time.perf_counter()
+        await self._checkpoint()
+        after = self.last_yield = time.perf_counter()
+        self.slice = _SLICE_SHORT if after - before > _CROWDED else _SLICE_LONG
 
 
 class DirectPath:

@@ -27,6 +27,7 @@ from .helpers import (
     engine_pair,
     free_port,
     numpy_cache,
+    posted_requests,
     report_inline_ends_as_running,
     threads,
     unique,
@@ -904,19 +905,54 @@ async def test_close_during_a_connect_backoff_raises_engine_closed() -> None:
 
 
 async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
-    """A transfer that finished inside the post yields to the loop afterwards (fairness);
-    a cancel pending there must not hide that the data moved."""
+    """Nothing after the post checkpoints: a cancel pending while a transfer finishes inside
+    its post does not hide that the data moved (a caller told it failed would retry, and
+    write and notify twice)."""
     src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
     config = aionixl.EngineConfig(inline_polls=100_000)  # finish inline, never via the poller
     async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
         await dst.transfer_blocks(peer, [0], [0])  # wired up: the next one finishes inline
         results: list[aionixl.TransferResult] = []
-        dst._last_yield = 0.0  # the next inline completion yields
+        dst._turns.last_yield = time.perf_counter() + 60  # its share of the loop is not used up
         with anyio.CancelScope() as scope:
             scope.cancel()
             results.append(await dst.transfer_blocks(peer, [1], [2]))
         assert [r.blocks for r in results] == [1]
         assert np.array_equal(dst_cache[0][1], src_cache[0][2])
+
+
+async def test_a_cancel_meets_a_caller_whose_share_of_the_loop_is_used_up_before_it_posts() -> None:
+    src_cache, dst_cache = numpy_cache(seed=5), numpy_cache()
+    async with engine_pair(src_cache, dst_cache) as (_, dst, peer):
+        await dst.transfer_blocks(peer, [0], [0])
+        before = dst_cache[0][1].copy()
+        posted = posted_requests(dst, "local")
+        dst._turns.last_yield = 0.0  # used up: this call goes through the loop first
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await dst.transfer_blocks(peer, [1], [2])
+            pytest.fail("the call went on in a cancelled scope")
+        assert scope.cancelled_caught
+        assert posted == [] and np.array_equal(dst_cache[0][1], before)  # nothing was posted
+
+
+async def test_a_loop_of_transfers_that_finish_in_their_post_can_be_cancelled() -> None:
+    # Each call finishes inside its post; the loop's only checkpoints are the engine's. They
+    # used to be shielded (the transfer was done), so a deadline around such a loop went
+    # unnoticed until something else woke the task: 0.1 s took about 20 s here.
+    src_cache, dst_cache = numpy_cache(seed=6), numpy_cache()
+    config = aionixl.EngineConfig(inline_polls=100_000, peer_probe_interval=math.inf)
+    async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
+        await dst.transfer_blocks(peer, [9], [9])  # wired up: the next ones finish inline
+        start = time.perf_counter()
+        calls = 0
+        with anyio.move_on_after(0.1) as scope:
+            while time.perf_counter() - start < 5:
+                await dst.transfer_blocks(peer, [calls % 8], [calls % 8])
+                calls += 1
+        assert scope.cancelled_caught, f"{calls} calls in 5 s and the 0.1 s deadline never reached the loop"
+        done = min(calls, 8)
+        assert calls > 0 and np.array_equal(dst_cache[0][:done], src_cache[0][:done]), calls
 
 
 async def test_aclose_with_drain_timeout_closes_even_when_cancelled() -> None:

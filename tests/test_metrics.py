@@ -291,7 +291,7 @@ async def test_a_killed_peer_counts_peer_disconnected_and_one_eviction(
                 tg.start_soon(keep_reading, worker)
             await anyio.sleep(0.3)
             await child.kill()
-        assert all(isinstance(e, aionixl.PeerDisconnectedError) for e in failed) and len(failed) == 4
+        assert all(isinstance(e, aionixl.PeerDisconnectedError) for e in failed) and len(failed) == 4, failed
         with pytest.raises(aionixl.PeerDisconnectedError):
             await eng.transfer_blocks(peer, [0], [0])  # refused before NIXL: not counted
         m = eng.metrics()
