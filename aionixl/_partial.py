@@ -31,7 +31,7 @@ from ._nixl import DONE, NO_HANDLE, Indices
 from ._parts import BlockPart, PartPlan, plan_parts
 from ._peer import Peer
 from ._peers import PeerTable
-from ._post import DirectPath
+from ._post import DirectPath, LoopTurns
 from ._push import Pusher
 from ._regions import IndexArray, paired_ids, small_pair
 from ._results import Op, TransferResult
@@ -44,13 +44,14 @@ class PartPath:
     """Moves parts of blocks for one engine (see the module docstring)."""
 
     def __init__(self, local: LocalSide, peers: PeerTable, coalescer: Coalescer, direct: DirectPath,
-                 push: Pusher, metrics: TransferMetrics[TransferResult]) -> None:
+                 push: Pusher, metrics: TransferMetrics[TransferResult], turns: LoopTurns) -> None:
         self._local = local
         self._peers = peers
         self._coalescer = coalescer
         self._direct = direct
         self._push = push
         self._metrics = metrics
+        self._turns = turns
 
     async def transfer(self, peer: Peer, local_blocks: Sequence[int] | IndexArray,
                        remote_blocks: Sequence[int] | IndexArray, op: Op, notify: bytes | None,
@@ -89,9 +90,14 @@ class PartPath:
         if posted[1] is not DONE or posted[0] != NO_HANDLE:
             return await self._direct.wait(peer, op, posted, local_idx, remote_idx, nblocks, timeout,
                                            started, parts)
-        seen = _perf()  # finished inside the post
+        # Finished inside the post: other tasks get the loop once the slice whole-block calls
+        # share is used up (LoopTurns.take_turn: a caller looping on such transfers does not
+        # starve them, and a cancel met there cannot turn data in place into a failure).
+        seen = now = _perf()
+        if now - self._turns.last_yield > self._turns.slice:
+            now = await self._turns.take_turn(now)
         return self._metrics.done_part(op, nblocks, nblocks * parts.nbytes, nblocks * parts.per_block,
-                                       started, posted[2], seen, seen, posted[3])
+                                       started, posted[2], seen, now, posted[3])
 
     async def _push_read(self, peer: Peer, local_ids: Indices, remote_ids: Indices, nblocks: int,
                          message: bytes, timeout: float | None, local_part: BlockPart | None,

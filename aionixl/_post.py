@@ -46,32 +46,46 @@ class LoopTurns:
     """When the transfer path last went through the event loop, and how long it may go
     without (the slice adapts: long while yielding finds the loop idle, so a lone caller
     pays little; short once other tasks were waiting, so 64 busy callers each get a short
-    turn, not 2 ms).
+    turn, not 2 ms)."""
 
-    A call that finds the slice used up goes through the loop as it starts, a plain
-    checkpoint: a caller looping on transfers that finish inside their post lets other
-    tasks run, and a cancellation reaches it there, before anything is checked or posted.
-    (A yield after such a transfer would have to be shielded, since a cancel must not turn
-    data in place into a failure; a loop of such calls could then not be cancelled.)
-    """
-
-    __slots__ = ("last_yield", "slice", "_checkpoint")
+    __slots__ = ("last_yield", "slice", "_checkpoint", "_keep")
 
     def __init__(self) -> None:
         self.last_yield = 0.0  # perf_counter()
         self.slice = _SLICE_LONG
         self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
+        self._keep: Callable[[BaseException], bool] = _keep_nothing
 
-    def bind_loop(self, tools: LoopTools) -> None:
-        """Called in the engine's event loop: its own cheapest checkpoint."""
+    def bind_loop(self, tools: LoopTools, keep: Callable[[BaseException], bool]) -> None:
+        """Called in the engine's event loop: its cheapest checkpoint, and ``keep``, which
+        defers a cancellation met there to the caller's next checkpoint (True if it did:
+        ``Coalescer.keep_cancel``)."""
         self._checkpoint = tools.yield_now
+        self._keep = keep
 
-    async def take_turn(self) -> None:
-        """Go through the loop (the caller found its slice used up); cancellable."""
-        before = time.perf_counter()
-        await self._checkpoint()
-        after = self.last_yield = time.perf_counter()
-        self.slice = _SLICE_SHORT if after - before > _CROWDED else _SLICE_LONG
+    async def take_turn(self, now: float) -> float:
+        """Go through the loop after a transfer that finished inside its post (the slice
+        was used up at ``now``); returns the time after.
+
+        A cancellation met here does not fail the call: the data has moved, and a caller
+        told it failed would retry (write and notify twice). It is kept for the caller's
+        next checkpoint, at the latest as its next call starts, so a loop of such calls
+        still ends where it is cancelled. (A shielded yield would hide it from the loop
+        altogether: a 0.1 s deadline around such a loop took about 20 s to be noticed.)
+        """
+        try:
+            await self._checkpoint()
+        except BaseException as exc:
+            if not self._keep(exc):
+                raise
+        after = time.perf_counter()
+        self.slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
+        self.last_yield = after
+        return after
+
+
+def _keep_nothing(exc: BaseException) -> bool:
+    return False
 
 
 class DirectPath:

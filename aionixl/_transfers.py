@@ -76,7 +76,7 @@ class Transfers:
         self._offset_list = local.offset_list
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
         #: Parts of blocks: a component of its own, built here from the same components.
-        self._parts = PartPath(local, peers, coalescer, direct, push, metrics)
+        self._parts = PartPath(local, peers, coalescer, direct, push, metrics, turns)
 
     async def transfer_blocks(self, peer: Peer, local_blocks: Sequence[int] | IndexArray,
                               remote_blocks: Sequence[int] | IndexArray, op: Op = "read",
@@ -84,9 +84,6 @@ class Transfers:
                               local_part: BlockPart | None = None,
                               remote_part: BlockPart | None = None) -> TransferResult:
         """See :meth:`Engine.transfer_blocks`."""
-        turns = self._turns
-        if _perf() - turns.last_yield > turns.slice:  # others first: this caller's share is used up
-            await turns.take_turn()  # before any check: the engine and the peer may change meanwhile
         if not self._life.usable:
             self._life.check_open()
         if type(peer) is not Peer or peer._owner is not self._peers or not peer._connected:
@@ -145,9 +142,13 @@ class Transfers:
         if posted[1] is not DONE or posted[0] != NO_HANDLE:
             return await self._direct.wait(peer, op, posted, local_idx, remote_idx, nblocks, timeout, started)
         # Finished inside the post (the commonest call in one process): its result is made
-        # here, as one more coroutine frame costs ~4% of a one-block read (measured).
-        seen = _perf()
-        return self._metrics.done(op, nblocks, started, posted[2], seen, seen, posted[3])
+        # here, as one more coroutine frame costs ~4% of a one-block read (measured). A
+        # caller looping on such transfers still lets other tasks run, and is cancellable
+        # (LoopTurns.take_turn).
+        seen = now = _perf()
+        if now - self._turns.last_yield > self._turns.slice:
+            now = await self._turns.take_turn(now)
+        return self._metrics.done(op, nblocks, started, posted[2], seen, now, posted[3])
 
     async def _revive(self, peer: object, timeout: float | None) -> None:
         """A peer not usable as it is: one evicted only to fence a cancelled read reconnects

@@ -905,35 +905,27 @@ async def test_close_during_a_connect_backoff_raises_engine_closed() -> None:
 
 
 async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
-    """Nothing after the post checkpoints: a cancel pending while a transfer finishes inside
-    its post does not hide that the data moved (a caller told it failed would retry, and
-    write and notify twice)."""
+    """A transfer that finished inside the post yields to the loop afterwards (fairness);
+    a cancel met there does not hide that the data moved (a caller told it failed would
+    retry, and write and notify twice): the call returns its result, and the caller's
+    next call meets the cancellation before it posts anything."""
     src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
     config = aionixl.EngineConfig(inline_polls=100_000)  # finish inline, never via the poller
     async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
         await dst.transfer_blocks(peer, [0], [0])  # wired up: the next one finishes inline
+        before = dst_cache[0][3].copy()
+        posted = posted_requests(dst, "local")
         results: list[aionixl.TransferResult] = []
-        dst._turns.last_yield = time.perf_counter() + 60  # its share of the loop is not used up
+        dst._turns.last_yield = 0.0  # its share of the loop is used up: it yields after
         with anyio.CancelScope() as scope:
             scope.cancel()
             results.append(await dst.transfer_blocks(peer, [1], [2]))
-        assert [r.blocks for r in results] == [1]
-        assert np.array_equal(dst_cache[0][1], src_cache[0][2])
-
-
-async def test_a_cancel_meets_a_caller_whose_share_of_the_loop_is_used_up_before_it_posts() -> None:
-    src_cache, dst_cache = numpy_cache(seed=5), numpy_cache()
-    async with engine_pair(src_cache, dst_cache) as (_, dst, peer):
-        await dst.transfer_blocks(peer, [0], [0])
-        before = dst_cache[0][1].copy()
-        posted = posted_requests(dst, "local")
-        dst._turns.last_yield = 0.0  # used up: this call goes through the loop first
-        with anyio.CancelScope() as scope:
-            scope.cancel()
-            await dst.transfer_blocks(peer, [1], [2])
-            pytest.fail("the call went on in a cancelled scope")
+            await dst.transfer_blocks(peer, [3], [4])
+            pytest.fail("the next call went on in a cancelled scope")
         assert scope.cancelled_caught
-        assert posted == [] and np.array_equal(dst_cache[0][1], before)  # nothing was posted
+        assert [r.blocks for r in results] == [1] and len(posted) == 1
+        assert np.array_equal(dst_cache[0][1], src_cache[0][2])
+        assert np.array_equal(dst_cache[0][3], before)  # the second call posted nothing
 
 
 async def test_a_loop_of_transfers_that_finish_in_their_post_can_be_cancelled() -> None:
