@@ -390,11 +390,14 @@ class BarePd:
         t0 = rec.start()
         while i < n or outstanding:
             now = time.perf_counter()
-            while i < n and len(outstanding) < limit:
+            # One post per round, then every outstanding request is polled: a backlog of due
+            # requests is not all posted before the first of them is seen done.
+            if i < n and len(outstanding) < limit:
                 req = reqs[i]
                 admitted = rec.admit(req, now, concurrency is not None)
-                if admitted is None:
-                    break
+            else:
+                admitted = None
+            if admitted is not None:
                 due, ids = admitted
                 handle = agent.make_prepped_xfer("READ", local, ctx.local_indices(ids), remote,
                                                  ctx.remote_indices(req.remote), req.notify)
