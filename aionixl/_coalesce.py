@@ -185,7 +185,7 @@ class Coalescer:
         self._wake_chunk = ALL  # until bind_loop: chunks only where cancels are redelivered
         self._redelivers_cancel = False
         self._recancel: Callable[[BaseException], None] = no_recancel
-        #: Tasks that kept a result after a cancellation (``keep_cancel``) and still owe it:
+        #: Tasks that kept a result after a cancellation (``_keep_result``) and still owe it:
         #: their next call takes a checkpoint first. Without it a member cancelled while its
         #: request gathered, which ran again only after the request finished, could keep one
         #: result after another and never see its cancellation. ``owing``: any listed.
@@ -465,15 +465,8 @@ class Coalescer:
         told it failed would retry, and write and notify twice). The cancellation is not
         lost: it is raised at the caller's next checkpoint (trio does that by itself; on
         asyncio the task's cancellation is requested again, ``LoopTools.recancel``)."""
-        return batch.status == DONE and batch.error is None and self.keep_cancel(exc)
-
-    def keep_cancel(self, exc: BaseException) -> bool:
-        """The calling task, whose transfer is done, met cancellation ``exc``: owe it
-        instead of raising it (trio raises it again at the task's next checkpoint by itself;
-        on asyncio it is requested again, ``LoopTools.recancel``), and make the task's next
-        call take a checkpoint first (``pay_owed_cancel``). False, to raise it, where this
-        loop cannot do that or ``exc`` is not a cancellation."""
-        if self._redelivers_cancel and isinstance(exc, anyio.get_cancelled_exc_class()):
+        if self._redelivers_cancel and batch.status == DONE and batch.error is None \
+                and isinstance(exc, anyio.get_cancelled_exc_class()):
             self._recancel(exc)
             self._owed.add(self._current_task())
             self.owing = True

@@ -268,7 +268,7 @@ class Engine:
             tools = loop_tools()
             self._inflight.bind_loop(tools)
             self._coalescer.bind_loop(tools)
-            self._turns.bind_loop(tools, self._coalescer.keep_cancel)
+            self._turns.bind_loop(tools)
             self._local.zctx = zmq.Context()
             self._bg_started = True
             await self._tg.start(self._run_background)

@@ -90,14 +90,10 @@ class PartPath:
         if posted[1] is not DONE or posted[0] != NO_HANDLE:
             return await self._direct.wait(peer, op, posted, local_idx, remote_idx, nblocks, timeout,
                                            started, parts)
-        # Finished inside the post: other tasks get the loop once the slice whole-block calls
-        # share is used up (LoopTurns.take_turn: a caller looping on such transfers does not
-        # starve them, and a cancel met there cannot turn data in place into a failure).
-        seen = now = _perf()
-        if now - self._turns.last_yield > self._turns.slice:
-            now = await self._turns.take_turn(now)
+        seen = _perf()  # finished inside the post: its caller yields as its next call starts
+        self._turns.finished_inline(seen)
         return self._metrics.done_part(op, nblocks, nblocks * parts.nbytes, nblocks * parts.per_block,
-                                       started, posted[2], seen, now, posted[3])
+                                       started, posted[2], seen, seen, posted[3])
 
     async def _push_read(self, peer: Peer, local_ids: Indices, remote_ids: Indices, nblocks: int,
                          message: bytes, timeout: float | None, local_part: BlockPart | None,

@@ -46,46 +46,55 @@ class LoopTurns:
     """When the transfer path last went through the event loop, and how long it may go
     without (the slice adapts: long while yielding finds the loop idle, so a lone caller
     pays little; short once other tasks were waiting, so 64 busy callers each get a short
-    turn, not 2 ms)."""
+    turn, not 2 ms).
 
-    __slots__ = ("last_yield", "slice", "_checkpoint", "_keep")
+    A call whose transfer finishes inside its post with the slice used up returns at once
+    (its caller sees it done without waiting for other tasks) and names its task
+    ``holder``. If that task calls again, it goes through the loop as that call starts, a
+    plain checkpoint: a loop of such calls lets other tasks run, and a cancellation reaches
+    it there, before anything is posted. A call from another task finds the loop has
+    switched tasks since, and starts a fresh slice without a yield, so callers queued behind
+    a long post keep their order. (Yielding after the transfer instead delayed its caller
+    by whatever ran meanwhile, and had to be shielded, as the data had moved: a loop of
+    such calls could not be cancelled.)
+    """
+
+    __slots__ = ("last_yield", "slice", "holder", "_current_task", "_checkpoint")
 
     def __init__(self) -> None:
         self.last_yield = 0.0  # perf_counter()
         self.slice = _SLICE_LONG
+        #: The task whose call used up the slice, or None.
+        self.holder: object = None
+        self._current_task: Callable[[], object] = _no_task
         self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
-        self._keep: Callable[[BaseException], bool] = _keep_nothing
 
-    def bind_loop(self, tools: LoopTools, keep: Callable[[BaseException], bool]) -> None:
-        """Called in the engine's event loop: its cheapest checkpoint, and ``keep``, which
-        defers a cancellation met there to the caller's next checkpoint (True if it did:
-        ``Coalescer.keep_cancel``)."""
+    def bind_loop(self, tools: LoopTools) -> None:
+        """Called in the engine's event loop: its task lookup and cheapest checkpoint."""
+        self._current_task = tools.current_task
         self._checkpoint = tools.yield_now
-        self._keep = keep
 
-    async def take_turn(self, now: float) -> float:
-        """Go through the loop after a transfer that finished inside its post (the slice
-        was used up at ``now``); returns the time after.
+    def finished_inline(self, now: float) -> None:
+        """A transfer finished inside its post at ``now``: note the caller if the slice is
+        used up."""
+        if now - self.last_yield > self.slice:
+            self.holder = self._current_task()
 
-        A cancellation met here does not fail the call: the data has moved, and a caller
-        told it failed would retry (write and notify twice). It is kept for the caller's
-        next checkpoint, at the latest as its next call starts, so a loop of such calls
-        still ends where it is cancelled. (A shielded yield would hide it from the loop
-        altogether: a 0.1 s deadline around such a loop took about 20 s to be noticed.)
-        """
-        try:
-            await self._checkpoint()
-        except BaseException as exc:
-            if not self._keep(exc):
-                raise
-        after = time.perf_counter()
-        self.slice = _SLICE_SHORT if after - now > _CROWDED else _SLICE_LONG
-        self.last_yield = after
-        return after
+    async def take_turn(self) -> None:
+        """A call starts while ``holder`` is set: the holder goes through the loop first
+        (cancellable); another task starts a fresh slice."""
+        holder, self.holder = self.holder, None
+        before = time.perf_counter()
+        if self._current_task() is not holder:
+            self.last_yield = before  # the loop has switched tasks since the slice ran out
+            return
+        await self._checkpoint()
+        after = self.last_yield = time.perf_counter()
+        self.slice = _SLICE_SHORT if after - before > _CROWDED else _SLICE_LONG
 
 
-def _keep_nothing(exc: BaseException) -> bool:
-    return False
+def _no_task() -> object:
+    return None
 
 
 class DirectPath:

@@ -84,6 +84,8 @@ class Transfers:
                               local_part: BlockPart | None = None,
                               remote_part: BlockPart | None = None) -> TransferResult:
         """See :meth:`Engine.transfer_blocks`."""
+        if self._turns.holder is not None:  # a call used up the slice: maybe this task's
+            await self._turns.take_turn()  # before any check: the peer may change meanwhile
         if not self._life.usable:
             self._life.check_open()
         if type(peer) is not Peer or peer._owner is not self._peers or not peer._connected:
@@ -143,12 +145,10 @@ class Transfers:
             return await self._direct.wait(peer, op, posted, local_idx, remote_idx, nblocks, timeout, started)
         # Finished inside the post (the commonest call in one process): its result is made
         # here, as one more coroutine frame costs ~4% of a one-block read (measured). A
-        # caller looping on such transfers still lets other tasks run, and is cancellable
-        # (LoopTurns.take_turn).
-        seen = now = _perf()
-        if now - self._turns.last_yield > self._turns.slice:
-            now = await self._turns.take_turn(now)
-        return self._metrics.done(op, nblocks, started, posted[2], seen, now, posted[3])
+        # caller looping on such transfers yields as its next call starts (LoopTurns).
+        seen = _perf()
+        self._turns.finished_inline(seen)
+        return self._metrics.done(op, nblocks, started, posted[2], seen, seen, posted[3])
 
     async def _revive(self, peer: object, timeout: float | None) -> None:
         """A peer not usable as it is: one evicted only to fence a cancelled read reconnects
