@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from .._engine import Engine, Peer
 from ._context import Context
@@ -81,6 +82,9 @@ async def _step(ctx: Context, name: str, rec: StepRecorder, reqs: list[Request],
                     await _pace(due, spin_s)
                     ids = await take(req)
                     tg.start_soon(one, req, ids, due)
+                    # One arrival per loop turn, as a server's accept loop takes them: a
+                    # backlog spawned in one turn would start in any order on trio.
+                    await anyio.lowlevel.checkpoint()
         else:
             it = iter(reqs)
 
