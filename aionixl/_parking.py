@@ -39,6 +39,10 @@ class LoopTools(NamedTuple):
     redelivers_cancel: bool = False
     #: Called with an absorbed cancellation, in the task that absorbed it.
     recancel: Callable[[BaseException], None] = no_recancel
+    #: Where a task can run without a pass through the loop (asyncio's eager tasks, Python
+    #: 3.12+): schedules a callback for the loop's next pass, to tell that one happened.
+    #: None where every task switch is a pass (trio).
+    call_soon: Callable[[Callable[[], None]], object] | None = None
 
 
 class Unpark(Protocol):
@@ -95,7 +99,7 @@ def loop_tools() -> LoopTools:
                                exc.args[0] if exc.args else None)
 
         return LoopTools(current, asyncio.Event, park, _asyncio_unpark_all, _asyncio_yield,
-                         True, recancel)
+                         True, recancel, loop.call_soon)
 
 
 def _asyncio_current_task(asyncio: Any, loop: Any) -> Callable[[], Any]:

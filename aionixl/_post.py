@@ -50,43 +50,62 @@ class LoopTurns:
 
     A call whose transfer finishes inside its post with the slice used up returns at once
     (its caller sees it done without waiting for other tasks) and names its task
-    ``holder``. If that task calls again, it goes through the loop as that call starts, a
-    plain checkpoint: a loop of such calls lets other tasks run, and a cancellation reaches
-    it there, before anything is posted. A call from another task finds the loop has
-    switched tasks since, and starts a fresh slice without a yield, so callers queued behind
-    a long post keep their order. (Yielding after the transfer instead delayed its caller
-    by whatever ran meanwhile, and had to be shielded, as the data had moved: a loop of
-    such calls could not be cancelled.)
+    ``holder``. The next call goes through the loop as it starts, a plain checkpoint: a
+    loop of such calls lets other tasks run, and a cancellation reaches it there, before
+    anything is posted. Unless it comes from another task after the loop has made a pass
+    since: then it starts a fresh slice without a yield, so callers queued behind a long
+    post keep their order. (A task switch alone does not prove a pass: asyncio's eager
+    tasks run their first step inside ``create_task``; a callback scheduled when the slice
+    ran out does.) Yielding after the transfer instead delayed its caller by whatever ran
+    meanwhile, and had to be shielded, as the data had moved: a loop of such calls could
+    not be cancelled.
     """
 
-    __slots__ = ("last_yield", "slice", "holder", "_current_task", "_checkpoint")
+    __slots__ = ("last_yield", "slice", "holder", "_passed", "_marking", "_current_task",
+                 "_checkpoint", "_call_soon")
 
     def __init__(self) -> None:
         self.last_yield = 0.0  # perf_counter()
         self.slice = _SLICE_LONG
         #: The task whose call used up the slice, or None.
         self.holder: object = None
+        #: Whether the loop has made a pass since the slice ran out (always, where every
+        #: task switch is one); whether a callback that says so is scheduled.
+        self._passed = True
+        self._marking = False
         self._current_task: Callable[[], object] = _no_task
         self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
+        self._call_soon: Callable[[Callable[[], None]], object] | None = None
 
     def bind_loop(self, tools: LoopTools) -> None:
-        """Called in the engine's event loop: its task lookup and cheapest checkpoint."""
+        """Called in the engine's event loop: its task lookup, cheapest checkpoint and,
+        where tasks can run without a pass of the loop, its call_soon."""
         self._current_task = tools.current_task
         self._checkpoint = tools.yield_now
+        self._call_soon = tools.call_soon
 
     def finished_inline(self, now: float) -> None:
         """A transfer finished inside its post at ``now``: note the caller if the slice is
         used up."""
         if now - self.last_yield > self.slice:
             self.holder = self._current_task()
+            if self._call_soon is not None:
+                self._passed = False
+                if not self._marking:  # one already scheduled runs after now all the same
+                    self._marking = True
+                    self._call_soon(self._loop_passed)
+
+    def _loop_passed(self) -> None:
+        self._passed = True
+        self._marking = False
 
     async def take_turn(self) -> None:
-        """A call starts while ``holder`` is set: the holder goes through the loop first
-        (cancellable); another task starts a fresh slice."""
+        """A call starts while ``holder`` is set: it goes through the loop first
+        (cancellable), unless another task calls after a pass of the loop."""
         holder, self.holder = self.holder, None
         before = time.perf_counter()
-        if self._current_task() is not holder:
-            self.last_yield = before  # the loop has switched tasks since the slice ran out
+        if self._passed and self._current_task() is not holder:
+            self.last_yield = before  # the loop has passed since the slice ran out
             return
         await self._checkpoint()
         after = self.last_yield = time.perf_counter()

@@ -905,10 +905,10 @@ async def test_close_during_a_connect_backoff_raises_engine_closed() -> None:
 
 
 async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
-    """A transfer that finished inside the post yields to the loop afterwards (fairness);
-    a cancel met there does not hide that the data moved (a caller told it failed would
-    retry, and write and notify twice): the call returns its result, and the caller's
-    next call meets the cancellation before it posts anything."""
+    """A transfer that finishes inside the post using up the slice returns its result,
+    cancelled scope or not (a caller told it failed would retry, and write and notify
+    twice); the caller's next call goes through the loop first and meets the cancellation
+    there, before it posts anything."""
     src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
     config = aionixl.EngineConfig(inline_polls=100_000)  # finish inline, never via the poller
     async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
@@ -916,7 +916,8 @@ async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
         before = dst_cache[0][3].copy()
         posted = posted_requests(dst, "local")
         results: list[aionixl.TransferResult] = []
-        dst._turns.last_yield = 0.0  # its share of the loop is used up: it yields after
+        dst._turns.holder = None  # whatever the wire-up did
+        dst._turns.last_yield = 0.0  # its share of the loop is used up by the next call
         with anyio.CancelScope() as scope:
             scope.cancel()
             results.append(await dst.transfer_blocks(peer, [1], [2]))
@@ -926,6 +927,28 @@ async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
         assert [r.blocks for r in results] == [1] and len(posted) == 1
         assert np.array_equal(dst_cache[0][1], src_cache[0][2])
         assert np.array_equal(dst_cache[0][3], before)  # the second call posted nothing
+
+
+async def test_a_loop_of_calls_from_new_tasks_that_never_pass_the_loop_is_still_cancellable(
+        anyio_backend_name: str) -> None:
+    # asyncio's eager tasks (Python 3.12+) run their first step inside create_task: a loop
+    # of `await create_task(transfer_blocks(...))` calls from a new task each time, with no
+    # pass of the loop between them. Stand-in: every call looks like it comes from a task
+    # of its own. A task switch alone must not count as a pass of the loop.
+    if anyio_backend_name == "trio":
+        pytest.skip("trio has no eager tasks: every task switch is a pass of its scheduler")
+    src_cache, dst_cache = numpy_cache(seed=7), numpy_cache()
+    config = aionixl.EngineConfig(inline_polls=100_000, peer_probe_interval=math.inf)
+    async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
+        await dst.transfer_blocks(peer, [9], [9])
+        dst._turns._current_task = object  # a new "task" per lookup
+        start = time.perf_counter()
+        calls = 0
+        with anyio.move_on_after(0.1) as scope:
+            while time.perf_counter() - start < 5:
+                await dst.transfer_blocks(peer, [calls % 8], [calls % 8])
+                calls += 1
+        assert scope.cancelled_caught, f"{calls} calls in 5 s and the 0.1 s deadline never reached the loop"
 
 
 async def test_a_loop_of_transfers_that_finish_in_their_post_can_be_cancelled() -> None:
