@@ -929,6 +929,19 @@ async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
         assert np.array_equal(dst_cache[0][3], before)  # the second call posted nothing
 
 
+async def _calls_until_a_deadline_of_a_tenth_of_a_second(dst: aionixl.Engine, peer: aionixl.Peer) -> int:
+    """One-block reads in a loop under ``move_on_after(0.1)``; the calls made. Fails if the
+    deadline has not ended the loop within 5 s."""
+    start = time.perf_counter()
+    calls = 0
+    with anyio.move_on_after(0.1) as scope:
+        while time.perf_counter() - start < 5:
+            await dst.transfer_blocks(peer, [calls % 8], [calls % 8])
+            calls += 1
+    assert scope.cancelled_caught, f"{calls} calls in 5 s and the 0.1 s deadline never reached the loop"
+    return calls
+
+
 async def test_a_loop_of_calls_from_new_tasks_that_never_pass_the_loop_is_still_cancellable(
         anyio_backend_name: str) -> None:
     # asyncio's eager tasks (Python 3.12+) run their first step inside create_task: a loop
@@ -942,13 +955,7 @@ async def test_a_loop_of_calls_from_new_tasks_that_never_pass_the_loop_is_still_
     async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
         await dst.transfer_blocks(peer, [9], [9])
         dst._turns._current_task = object  # a new "task" per lookup
-        start = time.perf_counter()
-        calls = 0
-        with anyio.move_on_after(0.1) as scope:
-            while time.perf_counter() - start < 5:
-                await dst.transfer_blocks(peer, [calls % 8], [calls % 8])
-                calls += 1
-        assert scope.cancelled_caught, f"{calls} calls in 5 s and the 0.1 s deadline never reached the loop"
+        await _calls_until_a_deadline_of_a_tenth_of_a_second(dst, peer)
 
 
 async def test_a_loop_of_transfers_that_finish_in_their_post_can_be_cancelled() -> None:
@@ -959,13 +966,7 @@ async def test_a_loop_of_transfers_that_finish_in_their_post_can_be_cancelled() 
     config = aionixl.EngineConfig(inline_polls=100_000, peer_probe_interval=math.inf)
     async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
         await dst.transfer_blocks(peer, [9], [9])  # wired up: the next ones finish inline
-        start = time.perf_counter()
-        calls = 0
-        with anyio.move_on_after(0.1) as scope:
-            while time.perf_counter() - start < 5:
-                await dst.transfer_blocks(peer, [calls % 8], [calls % 8])
-                calls += 1
-        assert scope.cancelled_caught, f"{calls} calls in 5 s and the 0.1 s deadline never reached the loop"
+        calls = await _calls_until_a_deadline_of_a_tenth_of_a_second(dst, peer)
         done = min(calls, 8)
         assert calls > 0 and np.array_equal(dst_cache[0][:done], src_cache[0][:done]), calls
 
