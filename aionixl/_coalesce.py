@@ -35,7 +35,7 @@ from ._inflight import InFlight, InFlightTable, failed_in_nixl
 from ._lifecycle import CLOSED, CLOSING, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, ERR, NO_HANDLE, PROC, Indices, Status
-from ._parking import ALL, LoopTools, Unpark, no_recancel
+from ._parking import ALL, LoopTools, Unpark, no_recancel, no_task
 from ._peer import Peer
 from ._peers import PeerTable
 from ._post import DirectPath, LoopTurns
@@ -176,7 +176,7 @@ class Coalescer:
         self.gathering: dict[tuple[Peer, Op], list[Batch]] = {}
         #: Who called last, and when: a call from another task right after it means
         #: callers are arriving together, and this one gathers.
-        self._current_task: Callable[[], object] = _no_task
+        self._current_task: Callable[[], object] = no_task
         #: ``await park(batch.waiters)``: a member sleeps until its request ends (or a
         #: deadline among its members passes); the loop's cheapest parking, no frame.
         self.park: Callable[[list[object]], Awaitable[None]] = _unbound_park
@@ -577,9 +577,6 @@ class Coalescer:
         if handle != NO_HANDLE:
             self._table.take(handle, batch)
 
-
-def _no_task() -> object:
-    return None
 
 
 def _unbound_park(waiters: list[object]) -> Awaitable[None]:

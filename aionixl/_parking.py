@@ -20,6 +20,11 @@ def no_recancel(exc: BaseException) -> None:
     """``LoopTools.recancel`` where the loop raises an absorbed cancellation again itself."""
 
 
+def no_task() -> object:
+    """The task lookup of a component not yet bound to a loop (``LoopTools.current_task``)."""
+    return None
+
+
 class LoopTools(NamedTuple):
     """Cheap per-call tools of the event loop an engine runs in (the transfer hot path
     calls them per transfer; anyio's portable versions cost several times more)."""

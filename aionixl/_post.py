@@ -25,7 +25,7 @@ from ._inflight import InFlightTable
 from ._lifecycle import DRAINING, OPEN, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices, Status
-from ._parking import LoopTools
+from ._parking import LoopTools, no_task
 from ._parts import PartLists
 from ._peer import Peer
 from ._peers import PeerTable
@@ -73,7 +73,7 @@ class LoopTurns:
         #: task switch is one); whether a callback that says so is scheduled.
         self._passed = True
         self._marking = False
-        self._current_task: Callable[[], object] = _no_task
+        self._current_task: Callable[[], object] = no_task
         self._checkpoint: Callable[[], Awaitable[None]] = anyio.lowlevel.checkpoint
         self._call_soon: Callable[[Callable[[], None]], object] | None = None
 
@@ -110,10 +110,6 @@ class LoopTurns:
         await self._checkpoint()
         after = self.last_yield = time.perf_counter()
         self.slice = _SLICE_SHORT if after - before > _CROWDED else _SLICE_LONG
-
-
-def _no_task() -> object:
-    return None
 
 
 class DirectPath:
