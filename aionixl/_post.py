@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import NoReturn
 
 import anyio
 import anyio.lowlevel
@@ -139,12 +140,16 @@ class DirectPath:
                 op, self._local.dlist if parts is None else parts.local, local_idx,
                 peer._dlist if parts is None else parts.remote, remote_idx, message,
                 self._inline_polls)
-        except PeerDisconnectedError as exc:
-            raise self._metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
         except AionixlError as exc:
-            self._metrics.failed(exc, peer, op, nblocks, started)
-            raise
+            self.post_failed(exc, peer, op, nblocks, started)
         return handle, status, agent.posted, agent.telemetry
+
+    def post_failed(self, exc: AionixlError, peer: Peer, op: Op, nblocks: int,
+                    started: float) -> NoReturn:
+        """A post raised ``exc``: count it, evict its peer if it is gone, and raise."""
+        if isinstance(exc, PeerDisconnectedError):
+            raise self._metrics.failed(self._peers.evict(peer, exc), peer, op, nblocks, started) from exc
+        raise self._metrics.failed(exc, peer, op, nblocks, started)
 
     async def wait(self, peer: Peer, op: Op, posted: Posted, local_idx: Indices, remote_idx: Indices,
                    nblocks: int, timeout: float | None, started: float,

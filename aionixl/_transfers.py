@@ -24,6 +24,7 @@ from typing import Any
 from ._checks import check_timeout
 from ._coalesce import Coalescer, with_room
 from ._config import EngineConfig
+from ._errors import AionixlError
 from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices
@@ -69,6 +70,7 @@ class Transfers:
         self._metrics = metrics
         self._turns = turns
         self._reconnect = reconnect
+        self._inline_polls = config.inline_polls
         #: The most blocks a call may move and still ride in a merged request.
         self._ride_blocks = config.coalesce_max_call_bytes // local.bytes_per_block
         self._coalesce = config.coalesce and self._ride_blocks > 0
@@ -126,8 +128,12 @@ class Transfers:
                 result = coalescer.woke(batch, entry, started)
                 return result if result is not None else \
                     await coalescer.member(batch, entry, started, limit, woken=True)
-        nblocks, local_idx, remote_idx = (1, *one) if one is not None else \
-            self._checked_indices(peer, local_blocks, remote_blocks, op)
+        local_idx: Indices
+        remote_idx: Indices
+        if one is not None:
+            nblocks, (local_idx, remote_idx) = 1, one
+        else:
+            nblocks, local_idx, remote_idx = self._checked_indices(peer, local_blocks, remote_blocks, op)
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
@@ -140,15 +146,27 @@ class Transfers:
             dest, src = (local_blocks, remote_blocks) if op == "read" else (remote_blocks, local_blocks)
             return await coalescer.ride(peer, op, local_idx, remote_idx, nblocks, message, dest, src,
                                         started, timeout)
-        posted = self._direct.post(peer, op, local_idx, remote_idx, nblocks, message, started)
-        if posted[1] is not DONE or posted[0] != NO_HANDLE:
-            return await self._direct.wait(peer, op, posted, local_idx, remote_idx, nblocks, timeout, started)
+        # Posted here, not through DirectPath.post (as parts of blocks are): one frame less
+        # is ~1.5% of a one-block read in one process (benchmarks/NOTES.md, "The lone
+        # one-block read").
+        agent = self._local.agent
+        assert agent is not None
+        try:
+            handle, status = agent.start_xfer(op, self._local.dlist, local_idx, peer._dlist, remote_idx,
+                                              message, self._inline_polls)
+        except AionixlError as exc:
+            self._direct.post_failed(exc, peer, op, nblocks, started)
+        if status is not DONE or handle != NO_HANDLE:
+            return await self._direct.wait(peer, op, (handle, status, agent.posted, agent.telemetry),
+                                           local_idx, remote_idx, nblocks, timeout, started)
         # Finished inside the post (the commonest call in one process): its result is made
         # here, as one more coroutine frame costs ~4% of a one-block read (measured). A
         # caller looping on such transfers yields as its next call starts (LoopTurns).
         seen = _perf()
         self._turns.finished_inline(seen)
-        return self._metrics.done(op, nblocks, started, posted[2], seen, seen, posted[3])
+        if nblocks == 1 and agent.telemetry is None:  # the commonest result, with less to record
+            return self._metrics.done_one(op, started, agent.posted, seen, seen)
+        return self._metrics.done(op, nblocks, started, agent.posted, seen, seen, agent.telemetry)
 
     async def _revive(self, peer: object, timeout: float | None) -> None:
         """A peer not usable as it is: one evicted only to fence a cancelled read reconnects
