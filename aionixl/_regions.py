@@ -206,21 +206,21 @@ def small_pair(local_blocks: object, remote_blocks: object, local_count: int, re
     return None
 
 
-def plain_ids(value: object) -> object:
-    """A tuple, a short range or a short 1-D integer numpy array of block ids as a list: the
-    form the transfer fast paths take (given as arrays or tuples, a one-block call cost
-    2-3x more than given as lists); anything else as it is."""
-    if type(value) is tuple or (type(value) is range and _short(value)):
+def plain_ids(value: object, most: int = _SMALL) -> object:
+    """A tuple, or a range or 1-D integer numpy array of at most ``most`` block ids, as a
+    list: the form the transfer fast paths take (given as arrays or tuples, a one-block call
+    cost 2-3x more than given as lists); anything else as it is."""
+    if type(value) is tuple or (type(value) is range and _short(value, most)):
         return list(value)
     if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu" \
-            and value.size <= _SMALL:
+            and value.size <= most:
         return value.tolist()
     return value
 
 
-def _short(ids: range) -> bool:
+def _short(ids: range, most: int) -> bool:
     try:
-        return len(ids) <= _SMALL
+        return len(ids) <= most
     except OverflowError:  # longer than any index
         return False
 
@@ -263,11 +263,11 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
         raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
     if arr.size == 0:
         raise ValueError(f"{what} is empty: nothing to transfer")
-    low, high = int(arr.min()), int(arr.max())
-    if low < 0:
-        raise _no_such_block(what, low, num_blocks)
-    if high >= num_blocks:
-        raise _no_such_block(what, high, num_blocks)
+    # One pass for the common case: seen as unsigned, a negative id is larger than any valid.
+    unsigned = arr.view(_UNSIGNED[arr.dtype.itemsize]) if arr.dtype.kind == "i" else arr
+    if int(unsigned.max()) >= num_blocks:
+        low, high = int(arr.min()), int(arr.max())
+        raise _no_such_block(what, low if low < 0 else high, num_blocks)
     return arr.astype(np.int32, copy=False)
 
 
@@ -279,6 +279,8 @@ def _no_such_block(what: str, block: int, num_blocks: int) -> ValueError:
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: The unsigned integer dtype of each signed one's size (a view, not a copy).
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _no_bool(what: str) -> int:
@@ -315,5 +317,5 @@ def check_distinct(ids: IndexArray, what: str) -> None:
     """Refuse a destination that names one block twice: the result would be undefined."""
     if ids.size > 1:
         ordered = np.sort(ids)  # a quarter of np.unique's cost (which also builds the set)
-        if (ordered[1:] == ordered[:-1]).any():
+        if np.count_nonzero(ordered[1:] == ordered[:-1]):  # cheaper than .any() (a reduction)
             raise ValueError(f"{what} names the same block more than once")

@@ -48,6 +48,12 @@ from ._wire import user_message
 
 #: Block ids whose descriptor indices are remembered for the one-block path.
 _ONE_BLOCK_CACHE = 4096
+#: The most descriptors (ids x regions) a call's ids may stand for and still be checked in
+#: plain Python and given to NIXL as lists; past that numpy checks them, and NIXL builds the
+#: request from an int32 array in about half the time. The crossovers measured (NOTES.md,
+#: "Ids as lists or as arrays"): ~64 descriptors for ids given as an array, ~160 as a list.
+_LIST_FROM_ARRAY = 64
+_LIST_FROM_LIST = 160
 _perf = time.perf_counter
 
 #: Reconnects to an address (``Handshakes.connect``), for a peer evicted only to fence a read.
@@ -76,6 +82,9 @@ class Transfers:
         self._coalesce = config.coalesce and self._ride_blocks > 0
         self._num_blocks = local.num_blocks
         self._offset_list = local.offset_list
+        #: The most ids an array or a list may hold and still take the plain-Python path.
+        self._list_from_array = max(1, _LIST_FROM_ARRAY // len(local.offset_list))
+        self._list_from_list = max(1, _LIST_FROM_LIST // len(local.offset_list))
         self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
         #: Parts of blocks: a component of its own, built here from the same components.
         self._parts = PartPath(local, peers, coalescer, direct, push, metrics, turns)
@@ -99,7 +108,7 @@ class Transfers:
                                               local_part, remote_part)
         one = self._one_block_indices(peer, local_blocks, remote_blocks)
         if one is None:  # a tuple, a range, numpy ids...: the lists they stand for, if cheap
-            local_blocks, remote_blocks = _as_lists(local_blocks, remote_blocks)
+            local_blocks, remote_blocks = _as_lists(local_blocks, remote_blocks, self._list_from_array)
             one = self._one_block_indices(peer, local_blocks, remote_blocks)
         coalescer = self._coalescer
         batches = coalescer.gathering.get((peer, op)) if coalescer.gathering else None
@@ -200,7 +209,8 @@ class Transfers:
                          op: Op) -> tuple[int, Indices, Indices]:
         """Validate ids with clear errors; plain-Python indices for short lists, numpy
         ones otherwise."""
-        if type(local_blocks) is list and type(remote_blocks) is list:
+        if type(local_blocks) is list and type(remote_blocks) is list \
+                and len(local_blocks) <= self._list_from_list:
             local_idx = small_indices(local_blocks, self._num_blocks, self._offset_list)
             remote_idx = small_indices(remote_blocks, peer.num_blocks, peer._offset_list)
             if local_idx is not None and remote_idx is not None \
@@ -229,17 +239,17 @@ def _plain_limit(timeout: object) -> bool:
     return (type(timeout) is float or type(timeout) is int) and 0 < timeout < math.inf
 
 
-def _as_lists(local_blocks: Any, remote_blocks: Any) -> tuple[Any, Any]:
-    """Ids as the plain lists they stand for where that is cheap (a tuple, a range, a short
-    integer array, a one-block list of numpy integers), so that they take the list paths;
-    anything else unchanged (the general check takes it)."""
+def _as_lists(local_blocks: Any, remote_blocks: Any, most: int) -> tuple[Any, Any]:
+    """Ids as the plain lists they stand for where that is cheap (a tuple, a range or an
+    integer array of at most ``most`` ids, a one-block list of numpy integers), so that they
+    take the list paths; anything else unchanged (the general check takes it)."""
     if type(local_blocks) is list and type(remote_blocks) is list:
         if len(local_blocks) == 1 == len(remote_blocks):
             return [plain_int(local_blocks[0])], [plain_int(remote_blocks[0])]
         return local_blocks, remote_blocks
-    mine, theirs = plain_ids(local_blocks), plain_ids(remote_blocks)
+    mine, theirs = plain_ids(local_blocks, most), plain_ids(remote_blocks, most)
     if type(mine) is list and type(theirs) is list:
-        return _as_lists(mine, theirs)
+        return _as_lists(mine, theirs, most)
     return local_blocks, remote_blocks
 
 

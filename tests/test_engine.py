@@ -66,6 +66,38 @@ async def test_write_numpy_regions() -> None:
             assert not s[[1, 2, 3, 4, 5, 7]].any()
 
 
+
+@pytest.mark.parametrize(("kind", "count", "as_array"), [
+    ("array", 16, False), ("array", 17, True), ("list", 40, False), ("list", 41, True)])
+async def test_ids_past_the_list_limit_reach_nixl_as_int32_arrays_with_the_right_bytes(
+        kind: str, count: int, as_array: bool) -> None:
+    # 4 regions: ids given as an array take the list path up to 64 descriptors (16 ids), as
+    # a list up to 160 (40 ids); past that NIXL gets int32 arrays (half its build time).
+    src = numpy_cache(64, 256, 4, seed=3)
+    dst = numpy_cache(64, 256, 4)
+    mine = np.random.default_rng(1).permutation(64)[:count]
+    theirs = np.random.default_rng(2).permutation(64)[:count]
+    async with engine_pair(src, dst) as (_, eng, peer):
+        agent = eng._local.agent
+        assert agent is not None
+        given: list[tuple[type, Any]] = []
+        start_xfer = agent.start_xfer
+
+        def spy(op: str, local: int, local_idx: Any, remote: int, remote_idx: Any, *rest: Any) -> Any:
+            given.append((type(local_idx), getattr(local_idx, "dtype", None)))
+            return start_xfer(op, local, local_idx, remote, remote_idx, *rest)
+
+        agent.start_xfer = spy  # type: ignore[method-assign]
+        if kind == "array":
+            await eng.transfer_blocks(peer, mine.astype(np.int64), theirs.astype(np.int32))
+        else:
+            await eng.transfer_blocks(peer, mine.tolist(), theirs.tolist())
+        assert given == ([(np.ndarray, np.dtype(np.int32))] if as_array else [(list, None)])
+        for s, d in zip(src, dst, strict=True):
+            assert np.array_equal(d[mine], s[theirs])
+            untouched = np.setdiff1d(np.arange(64), mine)
+            assert not d[untouched].any()
+
 async def test_regions_with_different_block_sizes_and_strides() -> None:
     # Region 0: plain; region 1: every other row of a bigger array (stride > block size).
     src0, src1 = numpy_cache(6, 256, 1, seed=1)[0], numpy_cache(12, 512, 1, seed=2)[0]
