@@ -578,7 +578,6 @@ class Coalescer:
             self._table.take(handle, batch)
 
 
-
 def _unbound_park(waiters: list[object]) -> Awaitable[None]:
     raise RuntimeError("Coalescer.bind_loop was not called")
 

@@ -66,7 +66,6 @@ async def test_write_numpy_regions() -> None:
             assert not s[[1, 2, 3, 4, 5, 7]].any()
 
 
-
 @pytest.mark.parametrize(("kind", "count", "as_array"), [
     ("array", 16, False), ("array", 17, True), ("list", 40, False), ("list", 41, True)])
 async def test_ids_past_the_list_limit_reach_nixl_as_int32_arrays_with_the_right_bytes(
@@ -93,10 +92,11 @@ async def test_ids_past_the_list_limit_reach_nixl_as_int32_arrays_with_the_right
         else:
             await eng.transfer_blocks(peer, mine.tolist(), theirs.tolist())
         assert given == ([(np.ndarray, np.dtype(np.int32))] if as_array else [(list, None)])
+        untouched = np.setdiff1d(np.arange(64), mine)
         for s, d in zip(src, dst, strict=True):
             assert np.array_equal(d[mine], s[theirs])
-            untouched = np.setdiff1d(np.arange(64), mine)
             assert not d[untouched].any()
+
 
 async def test_regions_with_different_block_sizes_and_strides() -> None:
     # Region 0: plain; region 1: every other row of a bigger array (stride > block size).
