@@ -384,7 +384,7 @@ class BarePd:
         ctx = self.ctx
         agent, local, remote = self.bare.agent, self.bare.local, self.bare.remote
         spin_s = rec.spec.spin_s
-        outstanding: list[tuple[Any, Any, Any, float]] = []
+        outstanding: list[tuple[Any, Any, Any, float, float]] = []
         n, i = len(reqs), 0
         limit = concurrency or n
         t0 = rec.start()
@@ -399,19 +399,20 @@ class BarePd:
                 admitted = None
             if admitted is not None:
                 due, ids = admitted
+                called = time.perf_counter()
                 handle = agent.make_prepped_xfer("READ", local, ctx.local_indices(ids), remote,
                                                  ctx.remote_indices(req.remote), req.notify)
                 state = agent.transfer(handle)
                 if state == "ERR":
                     raise RuntimeError(f"bare NIXL: posting request {req.index} failed")
-                outstanding.append((handle, req, ids, due))
+                outstanding.append((handle, req, ids, due, called))
                 i += 1
             if outstanding:
                 still = []
                 for item in outstanding:
                     state = agent.check_xfer_state(item[0])
                     if state == "DONE":
-                        rec.done(item[1], item[2], item[3])
+                        rec.done(item[1], item[2], item[3], item[4])
                         agent.release_xfer_handle(item[0])
                     elif state == "PROC":
                         still.append(item)

@@ -264,7 +264,7 @@ class ThreadedPd:
 
     def step(self, rec: Any, reqs: list[Any], concurrency: int | None = None) -> None:
         conn, step_s = self.conn, self.step_s
-        pending: dict[int, tuple[Any, Any, float]] = {}
+        pending: dict[int, tuple[Any, Any, float, float]] = {}
         n, i = len(reqs), 0
         limit = concurrency or n
         rec.start()
@@ -277,13 +277,13 @@ class ThreadedPd:
                     break
                 due, ids = admitted
                 key = self.req.new()
+                pending[key] = (req, ids, due, time.perf_counter())
                 conn.read_blocks(key, self.address, ids, req.remote, req.notify)
-                pending[key] = (req, ids, due)
                 i += 1
             done, _ = engine_step(conn, step_s)
             for key in done:
-                req, ids, due = pending.pop(key)
-                rec.done(req, ids, due)
+                req, ids, due, called = pending.pop(key)
+                rec.done(req, ids, due, called)
 
     def verify(self) -> int:
         return _verify(self.ctx, self.conn, self.address, self.step_s, self.req)

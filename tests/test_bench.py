@@ -194,6 +194,10 @@ def test_pd_quick_run_writes_json_of_the_right_shape(pd_run: Any) -> None:
         for name in ("aionixl-asyncio", "aionixl-trio", "aionixl-uvloop"):
             assert _finite(t["results"][name]["value"]) and isinstance(t["results"][name]["met"], bool)
     assert all(n > 0 for n in report["pd_verified_blocks"].values())
+    # Every contender here says when it called: each p50 splits at the call, both parts real.
+    for d in report["pd_detail"]["loads"]:
+        assert _finite(d["to_call_p50_us"]) and d["to_call_p50_us"] >= 0, d
+        assert _finite(d["after_call_p50_us"]) and d["after_call_p50_us"] > 0, d
     assert "P/D targets" in proc.stdout and "Traceback" not in proc.stderr
 
 
@@ -229,6 +233,19 @@ def test_pd_requests_are_seeded_long_tailed_and_distinct() -> None:
     assert mem.check_sample(local, remote)
     mem.clear_sample(local)
     assert not mem.check_sample(local, remote)
+
+
+def test_pd_latency_splits_at_the_transfer_call_only_where_every_request_says_when() -> None:
+    from aionixl._bench._pd import _split
+    from aionixl._bench._pdwork import StepResult
+
+    a = StepResult(latencies=[0.010, 0.020, 0.030], to_call=[0.001, 0.002, 0.009])
+    b = StepResult(latencies=[0.040, 0.050], to_call=[0.004, 0.005])
+    before, after = _split([a, b])
+    assert before == pytest.approx(4000.0) and after == pytest.approx(21000.0)
+    # A step measured elsewhere (the vLLM connector) says nothing of its calls: no split.
+    assert _split([a, StepResult(latencies=[0.1])]) == (None, None)
+    assert _split([StepResult(latencies=[0.1, 0.2], to_call=[0.01])]) == (None, None)
 
 
 def test_pd_closed_loop_clock_starts_when_the_step_does() -> None:

@@ -181,6 +181,17 @@ def _pct(lat: list[float], q: float) -> float:
     return float(np.percentile(lat, q)) * 1e6 if lat else float("nan")
 
 
+def _split(steps: list[StepResult]) -> tuple[float | None, float | None]:
+    """Median microseconds from scheduled arrival to the transfer call, and from the call to
+    completion seen, over every request (None where a contender does not say when it called):
+    which part of a latency is the harness's (pacing, block pool, task) and which the engine's."""
+    if not all(s.to_call and len(s.to_call) == len(s.latencies) for s in steps):
+        return None, None
+    before = np.concatenate([s.to_call for s in steps])
+    after = np.concatenate([s.latencies for s in steps]) - before
+    return float(np.median(before)) * 1e6, float(np.median(after)) * 1e6
+
+
 def _summary(pd: PdSpec, spec: Spec, names: list[str], samples: dict[tuple[str, float], list[StepResult]],
              sat: dict[str, list[StepResult]], rate: float, rate_bps: float, checked: dict[str, int],
              errors: dict[str, str]) -> dict[str, Any]:
@@ -199,7 +210,9 @@ def _summary(pd: PdSpec, spec: Spec, names: list[str], samples: dict[tuple[str, 
                          "cpu_s_per_gb": sum(s.cpu_s for s in steps) / (nbytes / 1e9),
                          "requests": sum(s.requests for s in steps),
                          "verified": sum(s.verified for s in steps)})
+            split = _split(steps)
             detail.append({"contender": name, "load": load,
+                           "to_call_p50_us": split[0], "after_call_p50_us": split[1],
                            "p50_us_per_repeat": [_pct(s.latencies, 50) for s in steps],
                            "p99_us_per_repeat": [_pct(s.latencies, 99) for s in steps],
                            "gbps_per_repeat": [s.nbytes / s.wall_s / 1e9 for s in steps],
@@ -301,16 +314,22 @@ def table(report: dict[str, Any]) -> str:
              "arrival to completion seen by the caller",
              f"  {cfg['distribution']}; mean {cfg['mean_prompt_tokens']:.0f} tokens; "
              f"{cfg['regions']} regions x {cfg['block_bytes'] // 1024} KiB per block "
-             f"({cfg['bytes_per_block_id'] // 1024} KiB per block id)"]
+             f"({cfg['bytes_per_block_id'] // 1024} KiB per block id)",
+             "  p50 split at the transfer call: from scheduled arrival to the call (pacing, block pool, "
+             "the request's task), and from the call to completion seen (the transfer engine)"]
     head = (f"{'contender':<18}{'load':>6}{'p50 us':>10}{'p99 us':>10}{'p99.9 us':>10}{'GB/s':>8}"
-            f"{'CPU s/GB':>10}{'p99/bare':>10}{'requests':>10}{'verified':>10}")
+            f"{'CPU s/GB':>10}{'p99/bare':>10}{'requests':>10}{'verified':>10}{'p50 split us':>16}")
     lines += [head, "-" * len(head)]
+    detail = report.get("pd_detail", {}).get("loads", [])
     for r in rows:
         base = _row(rows, "bare", r["load"])
         ratio = f"{r['p99_us'] / base['p99_us']:.2f}x" if base and r["contender"] != "bare" else "-"
+        d = _row(detail, r["contender"], r["load"]) or {}
+        split = (f"{d['to_call_p50_us']:.0f} + {d['after_call_p50_us']:.0f}"
+                 if d.get("to_call_p50_us") is not None else "-")
         lines.append(f"{PD_LABELS[r['contender']]:<18}{r['load']:>6.2f}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
                      f"{r['p999_us']:>10.0f}{r['gbps']:>8.2f}{r['cpu_s_per_gb']:>10.3f}{ratio:>10}"
-                     f"{r['requests']:>10}{r['verified']:>10}")
+                     f"{r['requests']:>10}{r['verified']:>10}{split:>16}")
     sat = report["pd_saturation_gbps"]
     lines += ["", "saturation (closed loop), GB/s: " + ", ".join(
         f"{PD_LABELS[n]} {v:.2f}" + (f" ({v / sat['bare']:.2f}x)" if n != "bare" and sat.get("bare") else "")

@@ -59,8 +59,9 @@ async def _step(ctx: Context, name: str, rec: StepRecorder, reqs: list[Request],
 
         async def one(req: Request, ids: Any, due: float) -> None:
             nonlocal freed
+            called = time.perf_counter()
             await transfer(peer, ids, req.remote, notify=req.notify)
-            rec.done(req, ids, due)
+            rec.done(req, ids, due, called)
             woken, freed = freed, anyio.Event()
             woken.set()  # whoever waits for blocks looks again
 

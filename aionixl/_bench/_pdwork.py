@@ -200,6 +200,10 @@ class StepResult:
     """One (contender, load, repeat) step."""
 
     latencies: list[float] = field(default_factory=list)  # seconds, scheduled arrival -> seen done
+    #: Seconds from a request's scheduled arrival to its transfer call (pacing, the block
+    #: pool, spawning its task): the part of its latency before the transfer engine has it.
+    #: Empty for a contender that does not say when it called (the vLLM connector).
+    to_call: list[float] = field(default_factory=list)
     nbytes: int = 0
     cpu_s: float = 0.0
     wall_s: float = 0.0  # first scheduled arrival -> last completion
@@ -208,9 +212,9 @@ class StepResult:
     waited_for_blocks: int = 0  # requests that found the pool empty on arrival
 
     def as_dict(self) -> dict[str, Any]:
-        return {"latencies": self.latencies, "nbytes": self.nbytes, "cpu_s": self.cpu_s,
-                "wall_s": self.wall_s, "verified": self.verified, "requests": self.requests,
-                "waited_for_blocks": self.waited_for_blocks}
+        return {"latencies": self.latencies, "to_call": self.to_call, "nbytes": self.nbytes,
+                "cpu_s": self.cpu_s, "wall_s": self.wall_s, "verified": self.verified,
+                "requests": self.requests, "waited_for_blocks": self.waited_for_blocks}
 
 
 class StepRecorder:
@@ -254,10 +258,13 @@ class StepRecorder:
         self.memory.clear_sample(ids)
         return due, ids
 
-    def done(self, req: Request, local: I64, scheduled: float) -> None:
+    def done(self, req: Request, local: I64, scheduled: float, called: float | None = None) -> None:
+        """``req`` is seen done now; ``called``: when its transfer was called (or posted)."""
         t = time.perf_counter()
         res = self.result
         res.latencies.append(t - scheduled)
+        if called is not None:
+            res.to_call.append(called - scheduled)
         self._last = t
         res.nbytes += req.nblocks * self.block_bytes
         res.requests += 1
