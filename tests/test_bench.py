@@ -370,6 +370,32 @@ def host_ctx() -> Iterator[Context]:
         target.stop()
 
 
+@pytest.mark.parametrize("name", ["aionixl-asyncio", "aionixl-trio"])
+def test_pd_aionixl_requests_that_find_the_pool_empty_wait_for_blocks_and_all_finish(
+        host_ctx: Context, name: str) -> None:
+    # 24 requests of 24-32 blocks against a pool of 64: in a closed loop of 4, the third
+    # caller in flight must wait for blocks to come back. An open loop whose requests all
+    # arrive at once may or may not wait (a read often ends inside its post), but finishes.
+    from aionixl._bench import _pd_aionixl
+    from aionixl._bench._pdwork import BlockPool, PdMemory, StepRecorder, default_pd, make_requests
+
+    spec = HOST_SPEC
+    pd = replace(default_pd(), layers=spec.layers, block_bytes=spec.block_bytes, blocks=spec.blocks,
+                 min_tokens=384, max_tokens=512)
+    memory = PdMemory(spec.regions, spec.blocks, spec.block_bytes)
+    ctx = Context(spec, memory, host_ctx.target, Progress(False))
+    reqs = make_requests(pd, 24, salt=7)
+    for rate, concurrency in ((None, 4), (1e6, None)):
+        pool = BlockPool(pd.blocks, pd.seed)
+        rec = StepRecorder(memory, pool, pd, rate)
+        checked = _pd_aionixl.step(ctx, name, rec, reqs, concurrency)
+        res = rec.finish()
+        assert res.requests == res.verified == len(reqs) == len(res.to_call)
+        assert res.waited_for_blocks > 0 or rate is not None
+        assert pool.free == pd.blocks  # every request gave its blocks back
+        assert checked == 2 * ctx.verify_blocks  # the verify set read before and after
+
+
 def _prefill_intact(ctx: Context, salt: int = 0) -> bool:
     """Whether the prefill blocks the write rows write hold the pattern with ``salt``
     (read back into our cleared blocks by bare NIXL, a path independent of aionixl)."""
