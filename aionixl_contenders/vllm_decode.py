@@ -184,8 +184,9 @@ class Decode:
         step_s, spin_s, per_block = float(cmd["step_s"]), float(cmd["spin_s"]), int(cmd["bytes_per_block_id"])
         pool = BlockPool(self.side.blocks, int(cmd["seed"]))
         worker = self.worker
-        pending: dict[str, tuple[dict[str, Any], Any, Any, float]] = {}
+        pending: dict[str, tuple[dict[str, Any], Any, Any, float, float]] = {}
         lat: list[float] = []
+        to_call: list[float] = []  # arrival -> handed to the connector (the step's start_load_kv)
         nbytes = verified = waited = 0
         n, i = len(reqs), 0
         last = 0.0
@@ -194,7 +195,8 @@ class Decode:
         while i < n or pending:
             now = time.perf_counter()
             meta = self._meta_cls()
-            while i < n and len(pending) < limit:  # what the scheduler hands over this step
+            handed: list[tuple[str, tuple[dict[str, Any], Any, Any, float]]] = []
+            while i < n and len(pending) + len(handed) < limit:  # what the scheduler hands over this step
                 r = reqs[i]
                 due = t0 + r["at"] / rate if rate else now
                 if due > now:
@@ -210,8 +212,11 @@ class Decode:
                           "remote_port": self.remote["port"], "tp_size": 1}
                 meta.add_new_req_to_recv(request_id=f"d-{r['req']}", local_block_ids=([int(x) for x in ids],),
                                          kv_transfer_params=params, awaiting_kvs=True)
-                pending[f"d-{r['req']}"] = (r, ids, remote, due)
+                handed.append((f"d-{r['req']}", (r, ids, remote, due)))
                 i += 1
+            called = time.perf_counter()
+            for key, item in handed:
+                pending[key] = (*item, called)
             self._step(worker, meta)
             if step_s > 0:
                 time.sleep(step_s)  # the forward pass
@@ -226,15 +231,16 @@ class Decode:
             for key in results.finished_recving:
                 if key not in pending:
                     continue
-                r, ids, remote, due = pending.pop(key)
+                r, ids, remote, due, called = pending.pop(key)
                 lat.append(t - due)
+                to_call.append(called - due)
                 last = t
                 nbytes += len(ids) * per_block
                 if not check_words(words, ids[[0, -1]], remote[[0, -1]], rw):
                     raise RuntimeError(f"request {r['req']}: the bytes read do not match the prefill pattern")
                 verified += 1
                 pool.give(ids)
-        return {"latencies": lat, "nbytes": nbytes, "cpu_s": process_cpu() - cpu0,
+        return {"latencies": lat, "to_call": to_call, "nbytes": nbytes, "cpu_s": process_cpu() - cpu0,
                 "wall_s": max(last - t0, 1e-9), "verified": verified, "requests": len(lat),
                 "waited_for_blocks": waited}
 

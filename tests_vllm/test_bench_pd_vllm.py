@@ -36,4 +36,8 @@ def test_bench_pd_with_vllm_quick_shape(tmp_path: Path) -> None:
     p99 = next(t for t in report["pd_targets"] if t["key"] == "p99_0.25")
     assert math.isfinite(p99["results"]["vllm"]["value"])
     assert report["pd_verified_blocks"]["vllm"] > 0
+    # Every contender's p50 splits at the call (vLLM's: the step that hands a request over).
+    for d in report["pd_detail"]["loads"]:
+        assert math.isfinite(d["to_call_p50_us"]) and d["to_call_p50_us"] >= 0, d
+        assert math.isfinite(d["after_call_p50_us"]) and d["after_call_p50_us"] > 0, d
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"  # the plot, beside the JSON

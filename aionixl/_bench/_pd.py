@@ -183,7 +183,7 @@ def _pct(lat: list[float], q: float) -> float:
 
 def _split(steps: list[StepResult]) -> tuple[float | None, float | None]:
     """Median microseconds from scheduled arrival to the transfer call, and from the call to
-    completion seen, over every request (None where a contender does not say when it called):
+    completion seen, over every request (None where a step does not say when it called):
     which part of a latency is the harness's (pacing, block pool, task) and which the engine's."""
     if not all(s.to_call and len(s.to_call) == len(s.latencies) for s in steps):
         return None, None

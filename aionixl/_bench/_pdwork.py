@@ -202,7 +202,8 @@ class StepResult:
     latencies: list[float] = field(default_factory=list)  # seconds, scheduled arrival -> seen done
     #: Seconds from a request's scheduled arrival to its transfer call (pacing, the block
     #: pool, spawning its task): the part of its latency before the transfer engine has it.
-    #: Empty for a contender that does not say when it called (the vLLM connector).
+    #: For the vLLM connector: to the step that hands it over (``start_load_kv``). Empty
+    #: for a contender that does not say when it called.
     to_call: list[float] = field(default_factory=list)
     nbytes: int = 0
     cpu_s: float = 0.0
@@ -284,6 +285,7 @@ class StepRecorder:
         """A step measured in another process (the vLLM decode worker): its numbers."""
         res = self.result
         res.latencies = [float(x) for x in measured["latencies"]]
+        res.to_call = [float(x) for x in measured.get("to_call", [])]
         for key in ("nbytes", "verified", "requests", "waited_for_blocks"):
             setattr(res, key, int(measured[key]))
         res.cpu_s, res.wall_s = float(measured["cpu_s"]), float(measured["wall_s"])
