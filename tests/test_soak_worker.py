@@ -99,6 +99,7 @@ async def test_three_engines_read_write_and_verify_with_no_violation(anyio_backe
     assert summary["bytes_verified"] > 0
     ops: dict[str, int] = {}
     for path in files:
+        mine: dict[str, int] = {}
         lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
         assert lines[0]["event"] == "start" and lines[0]["pid"] == os.getpid()
         assert lines[-1]["event"] == "end" and lines[-1]["violations"] == 0
@@ -107,10 +108,14 @@ async def test_three_engines_read_write_and_verify_with_no_violation(anyio_backe
                 continue
             assert list(rec) == list(_worker.RECORD_KEYS)
             ops[rec["op"]] = ops.get(rec["op"], 0) + 1
+            mine[rec["op"]] = mine.get(rec["op"], 0) + 1
             if rec["op"] in ("read", "readback"):
                 assert rec["ok"] and rec["verified_bytes"] == rec["bytes"] == rec["blocks"] * 2048 > 0
                 assert rec["elapsed"] <= rec["deadline"] + 1
-    assert ops.get("read", 0) > 10 and ops.get("write", 0) > 3 and ops["readback"] == ops["write"]
+        # Every write is read back, but for those whose readback the fleet's cancellation
+        # cut short: at most one per peer (one write per peer at a time).
+        assert 0 <= mine.get("write", 0) - mine.get("readback", 0) <= len(spec_list) - 1, mine
+    assert ops.get("read", 0) > 10 and ops.get("write", 0) > 3 and ops.get("readback", 0) > 3
     assert sum(b["ok"] for b in summary["timeline"]) == summary["transfers_ok"]
 
 
