@@ -175,7 +175,14 @@ class Decode:
         vLLM's engine loop, each step handing the connector every request that has arrived
         (``start_load_kv``), a forward pass of ``step_s``, then ``get_finished``. Latency
         from each request's scheduled arrival to the step that reports it done."""
-        from aionixl._bench._pdwork import BlockPool, check_words, process_cpu, region_words, start_lead
+        from aionixl._bench._pdwork import (
+            BlockPool,
+            StepResult,
+            check_words,
+            process_cpu,
+            region_words,
+            start_lead,
+        )
 
         words = self.side.words
         rw = region_words(words.shape[0], words.shape[2])
@@ -240,9 +247,9 @@ class Decode:
                     raise RuntimeError(f"request {r['req']}: the bytes read do not match the prefill pattern")
                 verified += 1
                 pool.give(ids)
-        return {"latencies": lat, "to_call": to_call, "nbytes": nbytes, "cpu_s": process_cpu() - cpu0,
-                "wall_s": max(last - t0, 1e-9), "verified": verified, "requests": len(lat),
-                "waited_for_blocks": waited}
+        return StepResult(latencies=lat, to_call=to_call, nbytes=nbytes, cpu_s=process_cpu() - cpu0,
+                          wall_s=max(last - t0, 1e-9), verified=verified, requests=len(lat),
+                          waited_for_blocks=waited).as_dict()
 
     def cmd_verify(self, cmd: dict[str, Any]) -> dict[str, Any]:
         local = np.asarray(cmd["local"], dtype=np.int64)

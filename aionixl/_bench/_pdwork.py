@@ -213,6 +213,7 @@ class StepResult:
     waited_for_blocks: int = 0  # requests that found the pool empty on arrival
 
     def as_dict(self) -> dict[str, Any]:
+        """What :meth:`StepRecorder.adopt` takes: a step measured in another process."""
         return {"latencies": self.latencies, "to_call": self.to_call, "nbytes": self.nbytes,
                 "cpu_s": self.cpu_s, "wall_s": self.wall_s, "verified": self.verified,
                 "requests": self.requests, "waited_for_blocks": self.waited_for_blocks}
