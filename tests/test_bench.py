@@ -193,12 +193,17 @@ def test_pd_quick_run_writes_json_of_the_right_shape(pd_run: Any) -> None:
     for t in report["pd_targets"]:
         for name in ("aionixl-asyncio", "aionixl-trio", "aionixl-uvloop"):
             assert _finite(t["results"][name]["value"]) and isinstance(t["results"][name]["met"], bool)
+        # The noise floor: bare NIXL's loop against itself, paired the same way; a control,
+        # so never a "pd" row or a saturation entry (both checked above).
+        floor = t["results"]["bare-control"]
+        assert floor["method"] == "paired" and floor["paired_min"] <= floor["value"] <= floor["paired_max"]
     assert all(n > 0 for n in report["pd_verified_blocks"].values())
     # Every contender here says when it called: each p50 splits at the call, both parts real.
     for d in report["pd_detail"]["loads"]:
         assert _finite(d["to_call_p50_us"]) and d["to_call_p50_us"] >= 0, d
         assert _finite(d["after_call_p50_us"]) and d["after_call_p50_us"] > 0, d
-    assert "P/D targets" in proc.stdout and "Traceback" not in proc.stderr
+    assert "P/D targets" in proc.stdout and "bare NIXL, again" in proc.stdout
+    assert "Traceback" not in proc.stderr
 
 
 def test_pd_quick_run_writes_its_plot_beside_the_json(pd_run: Any) -> None:

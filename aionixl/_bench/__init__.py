@@ -94,6 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cost per transfer, memory and threads per engine")
     p.add_argument("--pd-requests", type=int, help="P/D: requests per load step and repeat")
     p.add_argument("--pd-repeats", type=int, help="P/D: repeats of every load step")
+    p.add_argument("--no-pd-control", dest="pd_control", action="store_false",
+                   help="P/D: do not run bare NIXL a second time as the noise floor's control")
     p.add_argument("--fleet-hosts", type=int, help="fleet: hosts (network namespaces); default 4")
     p.add_argument("--fleet-engines", type=int, help="fleet: engine processes per host; default 8")
 
@@ -385,6 +387,8 @@ def _pd_spec(args: argparse.Namespace) -> Any:
         pd = replace(pd, requests=args.pd_requests)
     if getattr(args, "pd_repeats", None):
         pd = replace(pd, repeats=args.pd_repeats)
+    if not getattr(args, "pd_control", True):
+        pd = replace(pd, control=False)
     return pd
 
 

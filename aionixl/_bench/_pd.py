@@ -11,7 +11,8 @@ The method (benchmarks/README.md has the long form):
    contender gets the same requests at the same Poisson arrival times (scaled by 1 / rate),
    ``repeats`` times, contenders interleaved in rotating order so that a drifting machine
    hits all of them alike. A request's latency runs from its *scheduled* arrival to the
-   moment its caller sees it done, so a backed-up sender does not hide queueing.
+   moment its caller sees it done, so a backed-up sender does not hide queueing. Bare NIXL
+   runs a second time in every repeat as a control (:data:`CONTROL`): the run's noise floor.
 4. CPU: this process's CPU time (all threads, ``getrusage``) over the step / GB moved.
 """
 
@@ -35,8 +36,13 @@ from ._target import Target
 
 #: P/D contender names (the JSON's), in table order, and their labels.
 PD_ORDER = ["bare", "aionixl-asyncio", "aionixl-trio", "aionixl-uvloop", "threaded", "vllm"]
+#: Bare NIXL's loop a second time in every repeat (last in the rotation), not a contender: its
+#: ratios to bare NIXL are what the same code reads against itself in this run, the noise
+#: floor under every other ratio. Kept out of the ``"pd"`` rows (``PdSpec.control``).
+CONTROL = "bare-control"
 PD_LABELS = {"bare": "bare NIXL", "aionixl-asyncio": "aionixl asyncio", "aionixl-trio": "aionixl trio",
-             "aionixl-uvloop": "aionixl uvloop", "threaded": "threaded model", "vllm": "vLLM connector"}
+             "aionixl-uvloop": "aionixl uvloop", "threaded": "threaded model", "vllm": "vLLM connector",
+             CONTROL: "bare NIXL, again"}
 #: The bench's contender names (``--contenders``) -> P/D names.
 PD_NAMES = {"bare": "bare", "asyncio": "aionixl-asyncio", "trio": "aionixl-trio",
             "uvloop": "aionixl-uvloop", "threaded": "threaded", "vllm": "vllm"}
@@ -62,7 +68,7 @@ class _Aionixl:
 
 
 def _open(name: str, ctx: Context, spec: Spec) -> Any:
-    if name == "bare":
+    if name in ("bare", CONTROL):
         from aionixl_contenders.bare_nixl import BarePd
 
         return BarePd(ctx)
@@ -92,6 +98,8 @@ def run(spec: Spec, pd: PdSpec, names: list[str], progress: Progress,
     checked: dict[str, int] = {}
     opened: dict[str, Any] = {}
     rate = rate_bps = 0.0
+    if pd.control and "bare" in names:
+        names = [*names, CONTROL]
     try:
         memory = PdMemory(pd.regions, pd.blocks, pd.block_bytes)
         target.wait_ready()
@@ -198,7 +206,7 @@ def _summary(pd: PdSpec, spec: Spec, names: list[str], samples: dict[tuple[str, 
     rows: list[dict[str, Any]] = []
     detail: list[dict[str, Any]] = []
     for load in pd.loads:
-        for name in PD_ORDER:
+        for name in [*PD_ORDER, CONTROL]:
             steps = samples.get((name, load))
             if name not in names or not steps:
                 continue
@@ -219,11 +227,11 @@ def _summary(pd: PdSpec, spec: Spec, names: list[str], samples: dict[tuple[str, 
                            "cpu_s_per_gb_per_repeat": [s.cpu_s / (s.nbytes / 1e9) for s in steps],
                            "waited_for_blocks": sum(s.waited_for_blocks for s in steps)})
     sat_gbps = {n: float(np.median([s.nbytes / s.wall_s / 1e9 for s in sat[n]]))
-                for n in PD_ORDER if sat.get(n)}
+                for n in [*PD_ORDER, CONTROL] if sat.get(n)}
     sat_detail = {n: {"gbps_per_repeat": [s.nbytes / s.wall_s / 1e9 for s in sat[n]],
                       "requests_per_s_per_repeat": [s.requests / s.wall_s for s in sat[n]],
                       "cpu_s_per_gb_per_repeat": [s.cpu_s / (s.nbytes / 1e9) for s in sat[n]]}
-                  for n in PD_ORDER if sat.get(n)}
+                  for n in [*PD_ORDER, CONTROL] if sat.get(n)}
     mean_tokens = float(np.mean([r.tokens for k in range(pd.repeats)
                                  for r in make_requests(pd, pd.requests, salt=10 + k)]))
     config = asdict(pd)
@@ -235,7 +243,10 @@ def _summary(pd: PdSpec, spec: Spec, names: list[str], samples: dict[tuple[str, 
                   f"(seeded), {pd.block_tokens} tokens per block; remote block ids random, distinct "
                   "within a request; local ids from a FIFO free list")
     details = {"loads": detail, "saturation": sat_detail}
-    return {"pd": rows, "pd_saturation_gbps": sat_gbps, "pd_targets": pd_targets(rows, sat_gbps, details, pd),
+    targets = pd_targets(rows, sat_gbps, details, pd)
+    contenders = [r for r in rows if r["contender"] != CONTROL]  # the control is not one
+    sat_gbps.pop(CONTROL, None)
+    return {"pd": contenders, "pd_saturation_gbps": sat_gbps, "pd_targets": targets,
             "pd_config": config, "pd_detail": details,
             "pd_verified_blocks": checked,
             "pd_contenders": {n: {"label": PD_LABELS[n], "ok": n not in errors and n in sat_gbps,
@@ -265,10 +276,11 @@ def _result(ratios: list[float], op: str, limit: float, pooled: float | None) ->
 
 def pd_targets(rows: list[dict[str, Any]], sat: dict[str, float], detail: dict[str, Any],
                pd: PdSpec) -> list[dict[str, Any]]:
-    """The P/D targets for each aionixl backend (threaded and vLLM for reference). Values are
-    paired: the median over repeats of (contender / bare NIXL in the same repeat)."""
+    """The P/D targets for each aionixl backend (threaded, vLLM and the control for
+    reference). Values are paired: the median over repeats of (contender / bare NIXL in the
+    same repeat)."""
     out: list[dict[str, Any]] = []
-    others = [n for n in PD_ORDER if n != "bare"]
+    others = [n for n in [*PD_ORDER, CONTROL] if n != "bare"]
     loads = detail["loads"]
     low = [ld for ld in pd.loads if ld <= 0.9]
     for load in low:
@@ -335,14 +347,23 @@ def table(report: dict[str, Any]) -> str:
         f"{PD_LABELS[n]} {v:.2f}" + (f" ({v / sat['bare']:.2f}x)" if n != "bare" and sat.get("bare") else "")
         for n, v in sat.items())]
     names = [n for n in PD_ORDER if n != "bare" and n in report["pd_contenders"]]
+    if any(t["results"].get(CONTROL, {}).get("value") is not None for t in report["pd_targets"]):
+        names.append(CONTROL)
     th = f"{'P/D target':<46}{'limit':>9}" + "".join(f"{PD_LABELS[n]:>20}" for n in names)
     lines += ["", "P/D targets (aionixl; threaded model and vLLM connector shown for reference; * paired: "
-              "median over repeats of the ratio to bare NIXL in the same repeat)", th,
-              "-" * len(th)]
+              "median over repeats of the ratio to bare NIXL in the same repeat)"]
+    if CONTROL in names:
+        lines.append(f"  {PD_LABELS[CONTROL]}: bare NIXL's loop run a second time in each repeat, the "
+                     "noise floor: what the same code reads against itself in this run (its repeats' "
+                     "lowest-highest ratio in brackets)")
+    lines += [th, "-" * len(th)]
     for t in report["pd_targets"]:
         row = f"{t['title']:<46}{t['op'] + ' ' + format(t['limit'], '.2f'):>9}"
         for n in names:
-            cell = target_cell(t["results"].get(n) or {}, lambda v: f"{v:.3f}", "x", n in AIONIXL)
+            res = t["results"].get(n) or {}
+            cell = target_cell(res, lambda v: f"{v:.3f}", "x", n in AIONIXL)
+            if n == CONTROL and res.get("paired_min") is not None:
+                cell = f"{res['value']:.2f}* ({res['paired_min']:.2f}-{res['paired_max']:.2f})"
             row += f"{cell:>20}"
         lines.append(row)
     return "\n".join(lines)

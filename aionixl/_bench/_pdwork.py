@@ -61,6 +61,9 @@ class PdSpec(KVShape):
     #: The arrival pacer sleeps until this long before an arrival, then spins (event-loop
     #: timers are rounded to 1 ms by epoll): the same in every contender.
     spin_s: float = 0.0012
+    #: Run bare NIXL's loop twice in every repeat, the second time as a control (not a
+    #: contender): its ratios to the first are the run's noise floor (``_pd.CONTROL``).
+    control: bool = True
     quick: bool = False
 
     @property
