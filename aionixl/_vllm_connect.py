@@ -17,6 +17,7 @@ import zmq
 
 from . import _protocol as proto
 from . import _zmq
+from ._checks import check_timeout
 from ._config import EngineConfig
 from ._errors import HandshakeError, IncompatiblePeerError
 from ._lifecycle import Lifecycle, LocalSide
@@ -48,8 +49,10 @@ async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                          timeout: float = 10.0) -> VllmHandshake:
     """Ask the vLLM side channel at ``address`` for rank (pp, tp)'s metadata.
 
-    ``HandshakeError`` when nobody answers within ``timeout`` or the reply does not decode.
+    ``HandshakeError`` when nobody answers within ``timeout`` or the reply does not decode;
+    ``ValueError`` for a ``timeout`` that is not a positive number of seconds.
     """
+    check_timeout(timeout, "timeout")
     endpoint = _endpoint(address)
     request = encode_request(pp_rank, tp_rank)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -112,7 +115,8 @@ class VllmConnector:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError("timeout must be a number > 0")
         deadline = time.monotonic() + timeout
-        reply = await fetch_metadata(endpoint, pp_rank=pp_rank, tp_rank=tp_rank, timeout=timeout)
+        with self._life.operation():  # closing the engine ends the wait with EngineClosedError
+            reply = await fetch_metadata(endpoint, pp_rank=pp_rank, tp_rank=tp_rank, timeout=timeout)
         md = reply.metadata
         where = f"vLLM engine {md.engine_id!r} at {endpoint}"
         _check_hash(where, reply.compatibility_hash, expect_compat_hash)

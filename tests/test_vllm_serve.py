@@ -8,6 +8,7 @@ listener is fuzzed with raw zmq clients: nothing they send stops it.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -137,6 +138,36 @@ async def test_the_listener_stops_with_the_engine() -> None:
         address = await prefill.serve_vllm(**SERVE)
     with pytest.raises(aionixl.HandshakeError, match="did not answer"):
         await aionixl.vllm.fetch_metadata(address, timeout=0.3)
+
+
+async def test_closing_the_engine_ends_a_connect_vllm_that_waits_for_an_answer() -> None:
+    """A side channel that never answers (its prefill closed): closing the engine ends the
+    waiting call at once with EngineClosedError, even one with no deadline of its own."""
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
+        address = await prefill.serve_vllm(**SERVE)
+    ended: list[float] = []
+    async with aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
+
+        async def connect(timeout: float) -> None:
+            with pytest.raises(aionixl.EngineClosedError):
+                await decode.connect_vllm(address, timeout=timeout)
+            ended.append(time.monotonic())
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(connect, 30.0)
+                tg.start_soon(connect, math.inf)
+                await anyio.sleep(0.3)
+                closing = time.monotonic()
+                await decode.aclose()
+    assert len(ended) == 2 and max(ended) - closing < 1.0
+    assert zero_resources(decode)
+
+
+async def test_fetch_metadata_refuses_a_timeout_that_is_not_a_positive_number_of_seconds() -> None:
+    for bad in (-1, 0, True, float("nan"), "1"):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            await aionixl.vllm.fetch_metadata("tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
 
 
 def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:
