@@ -24,7 +24,7 @@ from typing import Any
 from ._checks import check_timeout
 from ._coalesce import Coalescer, with_room
 from ._config import EngineConfig
-from ._errors import AionixlError
+from ._errors import AionixlError, TransferTimeoutError
 from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices
@@ -100,7 +100,7 @@ class Transfers:
         if not self._life.usable:
             self._life.check_open()
         if type(peer) is not Peer or peer._owner is not self._peers or not peer._connected:
-            await self._revive(peer, timeout)
+            timeout = await self._revive(peer, timeout)
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
         if local_part is not None or remote_part is not None or peer._unequal:
@@ -177,13 +177,23 @@ class Transfers:
             return self._metrics.done_one(op, started, agent.posted, seen, seen)
         return self._metrics.done(op, nblocks, started, agent.posted, seen, seen, agent.telemetry)
 
-    async def _revive(self, peer: object, timeout: float | None) -> None:
-        """A peer not usable as it is: one evicted only to fence a cancelled read reconnects
-        (and the call goes on with it); any other raises the error its caller should see."""
+    async def _revive(self, peer: object, timeout: float | None) -> float | None:
+        """A peer not usable as it is: one evicted only to fence a cancelled read reconnects,
+        and the call goes on with it and with what the reconnect left of its deadline (the
+        timeout it returns); any other raises the error its caller should see."""
         if type(peer) is Peer and peer._owner is self._peers and peer._revive and peer.address:
+            if timeout is not None:
+                check_timeout(timeout, "timeout")
             limit = self._config.transfer_timeout if timeout is None else timeout
+            started = _perf()
             await self._reconnect(peer.address, min(limit, 30.0))
+            left = limit - (_perf() - started)
+            if left <= 0:
+                raise TransferTimeoutError(f"reconnecting to peer {peer.name!r} took the whole "
+                                           f"{limit} s deadline; nothing was transferred")
+            return left
         self._peers.live(peer)
+        return timeout
 
     def _one_block_indices(self, peer: Peer, local_blocks: object,
                            remote_blocks: object) -> tuple[list[int], list[int]] | None:

@@ -502,6 +502,43 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(monkeypatch
     assert zero_resources(eng)
 
 
+async def test_a_call_that_first_reconnects_a_fenced_peer_keeps_its_own_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer evicted to fence a timed-out read reconnects inside the next call; that call's
+    timeout counts from the call, not from the end of the reconnect: a transfer that then
+    stalls raises within the timeout plus push_cancel_timeout, as any timed-out read does."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    config = aionixl.EngineConfig(push_cancel_timeout=0.5)
+    async with RemoteEngine(seed=77, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
+            aionixl.Engine(unique("dec"), numpy_cache(16, 4 << 20, 1), listen=None, config=config) as eng:
+        peer = await eng.connect(child.address, timeout=30)
+        await eng.transfer_blocks(peer, [0], [0], timeout=30)
+        async with child.paused():
+            with pytest.raises(aionixl.TransferTimeoutError):
+                await eng.transfer_blocks(peer, [1], [1], timeout=0.3)
+        assert not peer.connected and eng.stats()["fence_evictions"] == 1
+        reconnect = eng._transfers._reconnect
+
+        async def slow_reconnect(address: str, limit: float) -> aionixl.Peer:
+            await anyio.sleep(1.0)  # a slow handshake: a second of the call's deadline
+            revived = await reconnect(address, limit)
+            await child.pause()  # the transfer that follows stalls
+            return revived
+
+        monkeypatch.setattr(eng._transfers, "_reconnect", slow_reconnect)
+        try:
+            started = anyio.current_time()
+            with pytest.raises(aionixl.TransferTimeoutError):
+                await eng.transfer_blocks(peer, [2], [2], timeout=1.5)
+            elapsed = anyio.current_time() - started
+        finally:
+            await child.resume()
+        # The deadline (1.5 s) plus push_cancel_timeout (0.5 s), and scheduling; a fresh
+        # 1.5 s after the reconnect's second would make it 3 s or more.
+        assert 1.5 <= elapsed < 2.6, elapsed
+    assert zero_resources(eng)
+
+
 # ---- the issue's scenario ----------------------------------------------------------------
 
 #: Region size for the scenario; the held-out check uses 512 (tests/stress/leaving_readers.py).
