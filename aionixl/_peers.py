@@ -109,22 +109,26 @@ class PeerTable:
                 f"(it names {proto.clip(embedded, 80) if embedded else 'no readable agent'})")
         if existing is not None:  # same name, new incarnation
             self.drop(existing, None, PeerDisconnectedError(f"peer {name!r} restarted; connect() again"))
-        agent.add_remote(metadata, name)
         remote = [r.to_region() for r in regions]
         slots = [r.to_region() for r in staging]
-        try:
-            dlist = agent.prep_dlist(name, block_descriptors(remote), regions[0].mem_type)
-        except AionixlError:
-            _attempt(agent.remove_remote, name, [])
-            raise
-        try:
-            slot_dlist = agent.prep_dlist(name, block_descriptors(slots), "DRAM") if slots else -1
-        except AionixlError:
-            _attempt(agent.release_dlist, dlist, [])
-            _attempt(agent.remove_remote, name, [])
-            raise
+        # Built before NIXL loads the peer: nothing between add_remote and the peer's entry
+        # in by_name may fail without releasing what was loaded (no Peer would own it).
+        descriptors = block_descriptors(remote)
+        slot_descriptors = block_descriptors(slots) if slots else None
         known = frozenset(f for f in features if f in FEATURES)
         mode = choose_read_mode(self._read_mode, known, self._host, dict(host or {}))
+        agent.add_remote(metadata, name)
+        dlist = slot_dlist = -1
+        try:
+            dlist = agent.prep_dlist(name, descriptors, regions[0].mem_type)
+            if slot_descriptors is not None:
+                slot_dlist = agent.prep_dlist(name, slot_descriptors, "DRAM")
+        except BaseException:
+            for prepared in (slot_dlist, dlist):
+                if prepared != -1:
+                    _attempt(agent.release_dlist, prepared, [])
+            _attempt(agent.remove_remote, name, [])
+            raise
         old = self.revivable.pop(address, None) if address is not None else None
         if old is not None and old.name == name:
             old.__init__(self, name, address, remote, dlist, metadata, known, host, mode)  # type: ignore[misc]

@@ -370,6 +370,37 @@ async def test_compat_keys_must_match() -> None:
         assert info.value.field == "compat[dtype]"
 
 
+@pytest.mark.parametrize("failing", ["listener", "connector"])
+async def test_an_error_after_a_peers_metadata_is_loaded_unloads_it(
+        failing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error that is not NIXL's once the peer's NIXL metadata is loaded (here: no memory
+    for its descriptor list) unloads it again, on either side of the handshake: no remote
+    agent and no descriptor list is left without a Peer to own it."""
+    no_retry = aionixl.EngineConfig(connect_retries=0)
+    async with aionixl.Engine(unique("src"), numpy_cache(4, 64, 1)) as src, \
+            aionixl.Engine(unique("dst"), numpy_cache(4, 64, 1), listen=None, config=no_retry) as dst:
+        assert src.address is not None
+        victim = src if failing == "listener" else dst
+        agent = victim._local.agent
+        assert agent is not None
+        before = victim.live_resources()
+        prepare = agent.prep_dlist
+
+        def out_of_memory(remote: str | None, descs: Any, mem_type: str) -> int:
+            if remote is not None:
+                raise MemoryError("no room for the peer's descriptors")
+            return prepare(remote, descs, mem_type)
+
+        monkeypatch.setattr(agent, "prep_dlist", out_of_memory)
+        with pytest.raises((aionixl.HandshakeError, MemoryError)):
+            await dst.connect(src.address, timeout=10)
+        assert victim.peers == {} and victim.live_resources() == before
+        monkeypatch.undo()
+        peer = await dst.connect(src.address, timeout=10)  # nothing left in the way
+        await dst.transfer_blocks(peer, [1], [2])
+    assert zero_resources(src) and zero_resources(dst)
+
+
 async def test_connect_to_a_dead_address_times_out() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
