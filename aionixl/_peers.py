@@ -186,11 +186,12 @@ class PeerTable:
         check_list_size(remote_blocks, plan.remote, "remote_part")
         agent = local.agent
         assert agent is not None
-        mine = agent.prep_dlist(None, part_descriptors(local.regions, plan.local), local.mem_type)
+        mine_descs = part_descriptors(local.regions, plan.local)
+        their_descs = part_descriptors(remote, plan.remote)
+        mine = agent.prep_dlist(None, mine_descs, local.mem_type)
         try:
-            theirs = agent.prep_dlist(peer.name, part_descriptors(remote, plan.remote),
-                                      remote[0].mem_type)
-        except AionixlError:
+            theirs = agent.prep_dlist(peer.name, their_descs, remote[0].mem_type)
+        except BaseException:
             _attempt(agent.release_dlist, mine, [])
             raise
         lists = peer._parts[key] = PartLists(plan, mine, local.num_blocks, theirs, remote_blocks)
