@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import AbstractContextManager as ContextManager
 
 import anyio
@@ -13,10 +14,18 @@ def deadline(seconds: float) -> ContextManager[anyio.CancelScope]:
     return anyio.fail_after(seconds if math.isfinite(seconds) else None)
 
 
+#: The largest number of seconds a deadline can hold (an int past it overflows a float).
+MAX_SECONDS = sys.float_info.max
+
+
 def check_timeout(value: object, what: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) \
-            or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    """``value`` is a positive number of seconds, ``math.inf`` for no limit; else ValueError
+    (NaN, and an int too large for a float, included)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= math.inf \
+            or (isinstance(value, int) and value > MAX_SECONDS):
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ValueError(f"{what} must be a positive number of seconds, got {shown}")
 
 
 def check_int(value: object, what: str, low: int) -> int:

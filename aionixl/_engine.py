@@ -337,7 +337,7 @@ class Engine:
         """
         self._check_open(draining_ok=True)
         check_timeout(timeout, "timeout")
-        if isinstance(expect, (bytes, bytearray, memoryview)) or \
+        if isinstance(expect, (bytes, bytearray, memoryview)) or not isinstance(expect, Iterable) or \
                 not all(isinstance(m, (bytes, bytearray, memoryview)) for m in expect):
             raise ValueError("expect must be a sequence of bytes messages")
         expected = [bytes(m) for m in expect]

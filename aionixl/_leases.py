@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import anyio
 
-from ._checks import check_int
+from ._checks import MAX_SECONDS, check_int
 from ._errors import AionixlError, EngineClosedError
 from ._notifications import Notification
 from ._vllm_wire import HEARTBEAT_PREFIX, read_notification
@@ -124,7 +124,7 @@ class LeaseTable:
                              "(vLLM's heartbeat would not name it)")
         if request_id in self._live:
             raise ValueError(f"a lease for request {request_id!r} is already live")
-        if isinstance(block_ids, (str, bytes)):
+        if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Iterable):
             raise ValueError("block_ids must be an iterable of ints")
         ids = tuple(block_ids)
         for b in ids:
@@ -134,7 +134,7 @@ class LeaseTable:
                 raise ValueError(f"block id {b} is outside the cache (0..{num_blocks - 1})")
         check_int(readers, "readers", 1)
         if isinstance(duration, bool) or not isinstance(duration, (int, float)) \
-                or not 0 < duration < math.inf:
+                or not 0 < duration <= MAX_SECONDS:
             raise ValueError(f"duration must be a finite number of seconds > 0, got {duration!r}")
         lease = self._live[request_id] = Lease(self, request_id, ids, readers, float(duration), _clock())
         self._next_expiry = min(self._next_expiry, lease.expires_at)

@@ -239,7 +239,9 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
     if isinstance(value, np.ndarray):
         arr = value
     elif isinstance(value, range):
-        # Checked by its ends, not walked: range(2**70) is refused at once.
+        # Checked by its ends, not walked: range(2**70) and range(-2**70, 0) are refused at once.
+        if value and (low := min(value[0], value[-1])) < 0:
+            raise _no_such_block(what, low, num_blocks)
         if value and (high := max(value[0], value[-1])) >= num_blocks:
             raise _no_such_block(what, high, num_blocks)
         arr = np.arange(value.start, value.stop, value.step, dtype=np.int64)

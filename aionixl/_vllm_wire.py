@@ -191,6 +191,8 @@ def read_notification(request_id: str, consumers: int = 1) -> bytes:
 
 def heartbeat_message(request_ids: Iterable[str]) -> bytes:
     """vLLM's lease heartbeat for these (prefill-side) request ids."""
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+        raise ValueError("request_ids must be an iterable of str")
     ids = list(request_ids)
     if not ids:
         raise ValueError("request_ids is empty")

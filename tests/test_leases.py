@@ -147,7 +147,10 @@ async def test_bad_input_is_refused_before_anything_is_held() -> None:
                 ({"request_id": "r", "block_ids": [True]}, "ints"),
                 ({"request_id": "r", "block_ids": [0], "readers": 0}, "readers"),
                 ({"request_id": "r", "block_ids": [0], "duration": 0}, "duration"),
-                ({"request_id": "r", "block_ids": [0], "duration": float("inf")}, "duration")):
+                ({"request_id": "r", "block_ids": [0], "duration": float("inf")}, "duration"),
+                ({"request_id": "r", "block_ids": [0], "duration": 2**2000}, "duration"),
+                ({"request_id": "r", "block_ids": 5}, "iterable of ints"),
+                ({"request_id": "r", "block_ids": None}, "iterable of ints")):
             with pytest.raises(ValueError, match=match):
                 src.lease(**kwargs)  # type: ignore[arg-type]
         assert list(src.leases) == ["live"]

@@ -115,7 +115,8 @@ def test_notifications_round_trip_as_vllm_reads_them() -> None:
     assert hb == b"HB:r1,r2" and wire.parse_notification(hb) == ["r1", "r2"]
     for bad in (lambda: wire.read_notification("", 1), lambda: wire.read_notification("r", 0),
                 lambda: wire.read_notification("HB:x", 1), lambda: wire.heartbeat_message([]),
-                lambda: wire.heartbeat_message(["a,b"])):
+                lambda: wire.heartbeat_message(["a,b"]), lambda: wire.heartbeat_message(5),  # type: ignore[arg-type]
+                lambda: wire.heartbeat_message("r1")):
         with pytest.raises(ValueError):
             bad()
 
