@@ -368,7 +368,8 @@ class EngineMetrics:
     notifications_delivered: int
     notifications_dropped: int
     notifications_kept: int
-    #: Coalescing: caller requests merged into shared NIXL calls, and those calls.
+    #: Coalescing: NIXL requests that carried more than one caller (merged), and the
+    #: ``transfer_blocks`` calls that rode in them.
     merged_requests: int
     merged_calls: int
     #: Leases (``Engine.lease``): live and not past their time; ended with every reader

@@ -127,10 +127,11 @@ def families(snapshots: Iterable[EngineMetrics]) -> Iterator[Metric]:
     kept = GaugeMetricFamily(
         "aionixl_notifications_kept", "Notifications kept for no waiter yet", labels=["engine"])
     merged = CounterMetricFamily(
-        "aionixl_coalesced_requests", "Transfer requests merged into shared NIXL calls",
+        "aionixl_coalesced_requests", "Merged NIXL requests: each carried more than one caller's transfer",
         labels=["engine"])
     merged_calls = CounterMetricFamily(
-        "aionixl_coalesced_calls", "NIXL calls that carried merged requests", labels=["engine"])
+        "aionixl_coalesced_calls", "transfer_blocks calls that rode in a merged NIXL request",
+        labels=["engine"])
     leases = GaugeMetricFamily(
         "aionixl_leases_active", "Leases live and not past their time", labels=["engine"])
     lease_ends = CounterMetricFamily(

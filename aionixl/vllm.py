@@ -8,8 +8,8 @@
                                       compat_hash=..., block_size=16, kv_cache_layout="LBHNC",
                                       attn_backend_name="FLASH_ATTN")
     lease = engine.lease(request_id, block_ids)        # a vLLM decoder's notification ends it
-    params = aionixl.vllm.transfer_params(request_id, block_ids, engine_id="prefill-0",
-                                          host="prefill-host", port=5600)
+    params = aionixl.vllm.transfer_params(request_id, block_ids, num_tokens=prompt_tokens,
+                                          engine_id="prefill-0", host="prefill-host", port=5600)
 
 ``connect`` speaks vLLM's side-channel handshake from the event loop (a REQ socket driven
 through its FD, no threads, one deadline), decodes vLLM's metadata, checks the geometry
@@ -19,8 +19,10 @@ Needs only msgspec and pyzmq (the ``vllm-interop`` extra), not vLLM.
 Layout: vLLM registers one NIXL region per attention layer (with its default layer-major
 layouts, K and V of a block share one page), all with the same block count; block ``b`` of
 every region is vLLM's block id ``b``. An aionixl engine that reads from it needs the same
-number of regions with the same bytes per block, in vLLM's region order (layer 0 first), for
-example one ``[num_blocks, page_bytes]`` uint8 view per layer. Block counts may differ.
+number of regions, in vLLM's region order (layer 0 first), for example one
+``[num_blocks, page_bytes]`` uint8 view per layer; with the same bytes per block it moves
+whole blocks, otherwise parts of blocks (:class:`~aionixl.BlockPart`; refused instead with
+``EngineConfig.require_equal_geometry``). Block counts may differ.
 
 Foreign peers get no aionixl housekeeping notifications: a vLLM prefill would read the
 liveness probe or the goodbye as a request notification (and fail to parse it), so the
@@ -64,10 +66,10 @@ async def connect(engine: Engine, address: str, *, pp_rank: int = 0, tp_rank: in
     """Handshake with a vLLM NixlConnector prefill and admit its agent as a peer of ``engine``.
 
     The same as :meth:`Engine.connect_vllm`: idempotent for a live peer at the same address;
-    ``IncompatiblePeerError`` (``.field`` says what) when the region count or bytes per
-    block differ from the engine's, when vLLM's layout has no one-id-per-block form, or
-    when ``expect_compat_hash`` is given and differs from vLLM's compatibility hash;
-    ``HandshakeError`` for no answer or a bad reply.
+    ``IncompatiblePeerError`` (``.field`` says what) when the region count differs from the
+    engine's (or the bytes per block, with ``EngineConfig.require_equal_geometry``), when
+    vLLM's layout has no one-id-per-block form, or when ``expect_compat_hash`` is given and
+    differs from vLLM's compatibility hash; ``HandshakeError`` for no answer or a bad reply.
     """
     return await engine.connect_vllm(address, pp_rank=pp_rank, tp_rank=tp_rank,
                                      expect_compat_hash=expect_compat_hash, timeout=timeout)
@@ -86,7 +88,8 @@ async def heartbeat(engine: Engine, peer: Peer, request_ids: Iterable[str]) -> N
 async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
                 block_size: int, kv_cache_layout: str, attn_backend_name: str, tp_rank: int = 0,
                 pp_rank: int = 0, layer_names: Sequence[str] | None = None) -> str:
-    """The same as :meth:`Engine.serve_vllm`: answer vLLM decode workers' handshakes."""
+    """:meth:`Engine.serve_vllm` without ``isolate``: answer vLLM decode workers'
+    handshakes from this engine's event loop."""
     return await engine.serve_vllm(listen, engine_id=engine_id, compat_hash=compat_hash,
                                    block_size=block_size, kv_cache_layout=kv_cache_layout,
                                    attn_backend_name=attn_backend_name, tp_rank=tp_rank,
