@@ -322,13 +322,21 @@ class Pusher:
             self._peers.evict(peer, exc)
             return
         self._wake_drainer()
-        with anyio.move_on_after(self._config.push_cancel_timeout):
-            while rec.state == _OPEN and not self._closing:
-                await rec.event.wait()
-                if rec.state == _OPEN:
-                    rec.event = anyio.Event()
+        limit = self._config.push_cancel_timeout
+        try:
+            with anyio.move_on_after(limit):
+                while rec.state == _OPEN and not self._closing:
+                    await rec.event.wait()
+                    if rec.state == _OPEN:
+                        rec.event = anyio.Event()
+        except BaseException:
+            # A cancellation the shield does not hold back (asyncio's own Task.cancel())
+            # cut the wait short: unconfirmed, like one that timed out.
+            if rec.state == _OPEN and peer.connected and not self._closing:
+                self._peers.evict_unfenced(peer, "a cancelled read's wait for the server to confirm "
+                                                 "it stopped was cancelled")
+            raise
         if rec.state == _OPEN and peer.connected and not self._closing:
-            limit = self._config.push_cancel_timeout
             self._peers.evict_unfenced(peer, f"a cancelled read was not confirmed stopped within {limit} s")
 
     async def stop_peer(self, peer: Peer) -> None:

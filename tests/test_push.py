@@ -385,6 +385,35 @@ def _stuck_read_then_fence(engine: aionixl.Engine, fence_check: Any) -> list[int
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_on_asyncio_a_cancel_that_cuts_a_push_reads_fence_short_evicts_the_peer() -> None:
+    """A push read is cancelled (asyncio's own Task.cancel()); its fence asks the server to
+    stop and waits for the answer. A second cancel, which anyio's shield does not hold back
+    on asyncio, cuts that wait short: nothing confirmed the server stopped writing into our
+    blocks, so the peer is evicted, as when the wait times out."""
+    import asyncio
+
+    config = aionixl.EngineConfig(read_mode="push", push_cancel_timeout=5.0)
+    async with engine_pair(numpy_cache(8, 1024, 2, seed=3), numpy_cache(8, 1024, 2), config) \
+            as (src, dst, peer):
+        assert peer.read_mode == "push"
+        await dst.transfer_blocks(peer, [0], [0])
+        # The server takes push requests and cancels in, and answers none of them.
+        src._push.heard = lambda name, message: message.startswith(_wire.PUSH_FAMILY)  # type: ignore[method-assign]
+        reader = asyncio.get_running_loop().create_task(dst.transfer_blocks(peer, [1], [1], timeout=30))
+        with anyio.fail_after(5):
+            while not dst._push.reads:
+                await anyio.sleep(0.01)
+            reader.cancel()  # leaves the read: its fence asks the server to stop, and waits
+            await anyio.sleep(0.2)
+            assert not reader.done() and peer.connected
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+        assert not peer.connected and dst.stats()["fence_evictions"] == 1
+        assert dst.live_resources()["in_flight"] == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_peer() -> None:
     """A lone GET read is cancelled (asyncio's own Task.cancel(), which anyio's shield does
     not hold back) and fences the aborted read. A second cancel lands after the poller saw
