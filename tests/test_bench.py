@@ -282,6 +282,16 @@ def test_pd_step_cpu_stops_at_the_last_request_not_at_the_contenders_teardown() 
     assert rec.finish().cpu_s < 0.05
 
 
+def test_on_a_gpu_the_default_workload_runs_the_micro_measures_and_says_pd_is_left_out() -> None:
+    from aionixl._bench import workloads
+
+    assert workloads("all", "cpu") == (True, True, [])
+    run_micro, run_pd, notes = workloads("all", "cuda")
+    assert (run_micro, run_pd) == (True, False) and "DRAM only" in notes[0]
+    assert workloads("pd", "cuda")[:2] == (False, True)  # asked for by name: refused later, clearly
+    assert workloads("micro", "cuda") == (True, False, [])
+
+
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
