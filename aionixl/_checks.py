@@ -23,9 +23,16 @@ def check_timeout(value: object, what: str) -> None:
     (NaN, and an int too large for a float, included)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= math.inf \
             or (isinstance(value, int) and value > MAX_SECONDS):
-        shown = repr(value)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        raise ValueError(f"{what} must be a positive number of seconds, got {shown}")
+        raise ValueError(f"{what} must be a positive number of seconds, got {_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message: an int too long to print (Python refuses past 4300
+    digits) by its size, any repr clipped to 40 characters."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_int(value: object, what: str, low: int) -> int:

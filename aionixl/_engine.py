@@ -337,10 +337,11 @@ class Engine:
         """
         self._check_open(draining_ok=True)
         check_timeout(timeout, "timeout")
-        if isinstance(expect, (bytes, bytearray, memoryview)) or not isinstance(expect, Iterable) or \
-                not all(isinstance(m, (bytes, bytearray, memoryview)) for m in expect):
+        messages = None if isinstance(expect, (bytes, bytearray, memoryview)) or \
+            not isinstance(expect, Iterable) else list(expect)  # walked once: a generator too
+        if messages is None or not all(isinstance(m, (bytes, bytearray, memoryview)) for m in messages):
             raise ValueError("expect must be a sequence of bytes messages")
-        expected = [bytes(m) for m in expect]
+        expected = [bytes(m) for m in messages]
         self._life.state = DRAINING
         self._wake_drainer()
         inflight = self._inflight.records

@@ -274,10 +274,12 @@ def block_ids(value: object, num_blocks: int, what: str) -> IndexArray:
 
 
 def _no_such_block(what: str, block: int, num_blocks: int) -> ValueError:
-    """The error for an id outside 0..num_blocks-1, said the same way wherever it is found."""
+    """The error for an id outside 0..num_blocks-1, said the same way wherever it is found
+    (an id too long to print, as Python refuses past 4300 digits, by its size)."""
+    shown = str(block) if block.bit_length() <= 128 else f"of {block.bit_length()} bits"
     if block < 0:
-        return ValueError(f"{what} has a negative block id ({block})")
-    return ValueError(f"{what} has block id {block}, but there are only {num_blocks} blocks")
+        return ValueError(f"{what} has a negative block id ({shown})")
+    return ValueError(f"{what} has block id {shown}, but there are only {num_blocks} blocks")
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

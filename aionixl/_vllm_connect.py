@@ -112,8 +112,7 @@ class VllmConnector:
             _check_hash(f"vLLM peer {peer.name!r} at {endpoint}", compat_hash, expect_compat_hash)
             await anyio.lowlevel.checkpoint()
             return peer
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError("timeout must be a number > 0")
+        check_timeout(timeout, "timeout")
         deadline = time.monotonic() + timeout
         with self._life.operation():  # closing the engine ends the wait with EngineClosedError
             reply = await fetch_metadata(endpoint, pp_rank=pp_rank, tp_rank=tp_rank, timeout=timeout)

@@ -264,7 +264,6 @@ BAD_ARGS: list[tuple[str, dict[str, Any]]] = [
     ("negative timeout", {"local_blocks": [0], "remote_blocks": [0], "timeout": -1}),
     ("nan timeout", {"local_blocks": [0], "remote_blocks": [0], "timeout": math.nan}),
     ("timeout beyond any float", {"local_blocks": [0], "remote_blocks": [0], "timeout": 2**2000}),
-    ("range from far below zero", {"local_blocks": range(-2**70, 0), "remote_blocks": [0]}),
 ]
 
 
@@ -286,7 +285,7 @@ async def test_bad_transfer_arguments(case: str, kwargs: dict[str, Any],
 
 async def test_a_range_of_ids_is_judged_by_its_ends_before_any_array_is_built() -> None:
     async with engine_pair(numpy_cache(12, 64, 2), numpy_cache(8, 64, 2)) as (_, eng, peer):
-        for ids in (range(-2**70, 0), range(-2**40, 1), range(2, -2**40, -1)):
+        for ids in (range(-2**70, 0), range(-2**40, 1), range(2, -2**40, -1), range(-10**5000, 0)):
             with pytest.raises(ValueError, match="negative block id"):
                 await eng.transfer_blocks(peer, ids, [0])
         with pytest.raises(ValueError, match=r"block id \d+, but there are only 8 blocks"):
@@ -797,9 +796,11 @@ async def test_drain_is_bounded_and_reports_what_is_missing(caplog: pytest.LogCa
         for not_a_list in (b"not-a-list", 5, None):
             with pytest.raises(ValueError, match="sequence of bytes"):
                 await src.drain(timeout=1, expect=not_a_list)  # type: ignore[arg-type]
-        for bad in (0, 2**2000):
+        for bad in (0, 2**2000, 10**5000):
             with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
                 await src.drain(timeout=bad)
+        # Walked once: a generator's messages count as a list's would.
+        assert await src.drain(timeout=0.2, expect=(m for m in [b"never"])) is False
         # aclose(drain_timeout=) drains, then closes; a waiter still pending is answered
         # with EngineClosedError when the drain gives up.
         async with anyio.create_task_group() as tg:

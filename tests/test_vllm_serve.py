@@ -164,10 +164,13 @@ async def test_closing_the_engine_ends_a_connect_vllm_that_waits_for_an_answer()
     assert zero_resources(decode)
 
 
-async def test_fetch_metadata_refuses_a_timeout_that_is_not_a_positive_number_of_seconds() -> None:
-    for bad in (-1, 0, True, float("nan"), "1"):
-        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
-            await aionixl.vllm.fetch_metadata("tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
+async def test_fetch_metadata_and_connect_vllm_refuse_a_timeout_not_a_positive_number_of_seconds() -> None:
+    async with aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
+        for bad in (-1, 0, True, float("nan"), "1", 2**2000):
+            with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+                await aionixl.vllm.fetch_metadata("tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+                await decode.connect_vllm("tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
 
 
 def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:
