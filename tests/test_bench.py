@@ -303,6 +303,12 @@ def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     assert proc.stdout == ""
 
 
+def test_uvloop_alone_without_the_pd_workload_is_refused() -> None:
+    proc = _bench("--workload", "micro", "--contenders", "uvloop", timeout=60)
+    assert proc.returncode == 2
+    assert "runs in the P/D workload only" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_unknown_contender_is_refused() -> None:
     proc = _bench("--contenders", "bare,nope", timeout=60)
     assert proc.returncode == 2

@@ -259,6 +259,9 @@ def _run(args: argparse.Namespace) -> int:
     pd_spec = _pd_spec(args)
     if run_pd and pd_spec.problems():
         raise BenchError("; ".join(pd_spec.problems()))
+    if run_micro and not run_pd and chosen == ["uvloop"]:
+        raise BenchError("the uvloop contender runs in the P/D workload only, and the P/D workload "
+                         "does not run here (--workload micro, or --device cuda)")
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
 

@@ -36,7 +36,8 @@ from ._target import Target
 
 #: P/D contender names (the JSON's), in table order, and their labels.
 PD_ORDER = ["bare", "aionixl-asyncio", "aionixl-trio", "aionixl-uvloop", "threaded", "vllm"]
-#: Bare NIXL's loop a second time in every repeat (last in the rotation), not a contender: its
+#: Bare NIXL's loop a second time in every repeat (one more slot in the rotating order, after
+#: the last contender: most repeats run it just before bare NIXL), not a contender: its
 #: ratios to bare NIXL are what the same code reads against itself in this run, the noise
 #: floor under every other ratio. Kept out of the ``"pd"`` rows (``PdSpec.control``).
 CONTROL = "bare-control"
