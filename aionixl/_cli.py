@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import anyio
 
@@ -93,7 +94,13 @@ def _soak(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"aionixl soak: {exc}", file=sys.stderr)
         return 2
-    plot = args.plot or (str(args.json).rsplit(".", 1)[0] + ".png" if args.json else None)
+    for flag in ("json", "plot"):  # found out before the run, not after it
+        path = getattr(args, flag)
+        if path and not Path(path).resolve().parent.is_dir():
+            print(f"aionixl soak: --{flag} {path}: there is no such directory to write it in",
+                  file=sys.stderr)
+            return 2
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     try:
         summary = anyio.run(soak, options, args.json, plot, print, args.keep_events)
     except (TwoHostsError, EtcdError) as exc:

@@ -303,6 +303,17 @@ def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("args", [
+    ["--layers", "0"], ["--block-bytes", "0"], ["--repeats", "0"], ["--step-ms", "nan"],
+    ["--step-ms", "inf"], ["--json", "/nonexistent-dir/x.json"], ["--workload", "pd", "--pd-requests", "0"],
+    ["--workload", "pd", "--pd-repeats", "-1"]], ids=" ".join)
+def test_bad_options_are_refused_before_anything_runs(args: list[str]) -> None:
+    proc = _bench(*args, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("aionixl bench: ") and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
 def test_uvloop_alone_without_the_pd_workload_is_refused() -> None:
     proc = _bench("--workload", "micro", "--contenders", "uvloop", timeout=60)
     assert proc.returncode == 2

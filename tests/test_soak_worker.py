@@ -7,7 +7,10 @@ this process was stopped (not judged on time), a torn last line of a killed inca
 from __future__ import annotations
 
 import json
+import math
 import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -328,6 +331,23 @@ def test_the_report_counts_every_violation_record_and_spares_paused_ones(tmp_pat
     assert summary["worst_time_to_error_s"] == pytest.approx(1.5)  # not the paused 8 s
     assert summary["quarantine_checked"] == 3
     json.dumps(summary)  # JSON-ready
+
+
+@pytest.mark.parametrize("change", [
+    {"duration": math.inf}, {"rate": math.nan}, {"deadline_max": math.inf}, {"fault_interval": math.inf},
+    {"seed": -5}, {"hosts": 201}], ids=str)
+def test_soak_options_that_could_only_fail_later_are_refused_at_once(change: dict[str, Any]) -> None:
+    from aionixl._soak._run import SoakOptions
+
+    SoakOptions().check()
+    with pytest.raises(ValueError):
+        SoakOptions(**change).check()
+
+
+def test_soak_refuses_a_json_path_it_could_not_write_before_it_starts() -> None:
+    proc = subprocess.run([sys.executable, "-m", "aionixl", "soak", "--json", "/nonexistent-dir/soak.json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_spec_that_cannot_work_is_refused() -> None:

@@ -222,6 +222,10 @@ def _run(args: argparse.Namespace) -> int:
     problems = spec.problems()
     if problems:
         raise BenchError("; ".join(problems))
+    for flag in ("json", "plot"):  # found out before the run, not after it
+        path = getattr(args, flag, None)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise BenchError(f"--{flag} {path}: there is no such directory to write it in")
     workload = getattr(args, "workload", "micro")
     if workload == "fleet":
         return _run_fleet(args, spec, started, started_at)
@@ -398,9 +402,9 @@ def _pd_spec(args: argparse.Namespace) -> Any:
     from ._pdwork import default_pd, quick_pd
 
     pd = quick_pd() if args.quick else default_pd()
-    if getattr(args, "pd_requests", None):
+    if getattr(args, "pd_requests", None) is not None:
         pd = replace(pd, requests=args.pd_requests)
-    if getattr(args, "pd_repeats", None):
+    if getattr(args, "pd_repeats", None) is not None:
         pd = replace(pd, repeats=args.pd_repeats)
     if not getattr(args, "pd_control", True):
         pd = replace(pd, control=False)

@@ -72,6 +72,8 @@ class PdSpec(KVShape):
 
     def problems(self) -> list[str]:
         out = []
+        if self.requests < 1 or self.sat_requests < 1 or self.repeats < 1:
+            out.append("--pd-requests and --pd-repeats must be at least 1")
         if self.blocks < 2 * self.max_blocks:
             out.append(f"the P/D workload needs at least {2 * self.max_blocks} blocks per region")
         if not 0 < self.min_tokens <= self.max_tokens:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 MiB = 1 << 20
@@ -94,7 +95,10 @@ class Spec(KVShape):
     def problems(self) -> list[str]:
         out = []
         if self.layers < 1 or self.blocks < 1 or self.block_bytes < 8 or self.block_bytes % 8:
-            out.append("--layers and --blocks must be >= 1, --block-bytes a multiple of 8")
+            # Every other check divides by these.
+            return ["--layers and --blocks must be >= 1, --block-bytes a multiple of 8"]
+        if self.repeats < 1:
+            out.append("--repeats must be at least 1")
         if self.tp_ratio < 1 or self.block_bytes % (8 * self.tp_ratio):
             out.append(f"--block-bytes must be a multiple of {8 * max(1, self.tp_ratio)} "
                        f"(the head-slice rows read 1/{self.tp_ratio} of a block)")
@@ -105,8 +109,8 @@ class Spec(KVShape):
                        "transfers, 16 MiB transfers)")
         if self.peers < 1:
             out.append("--peers must be at least 1")
-        if self.step_s < 0:
-            out.append("--step-ms must be >= 0")
+        if not 0 <= self.step_s < math.inf:
+            out.append("--step-ms must be a finite number >= 0")
         if self.with_vllm:
             unit = self.vllm_block_tokens * self.vllm_head_dim * 4
             if self.block_bytes % unit or self.vllm_kv_heads < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import shutil
 import tempfile
@@ -77,14 +78,17 @@ class SoakOptions:
     faults: tuple[str, ...] = FAULT_KINDS  # the kinds injected
 
     def check(self) -> None:
-        if not self.duration > 0:
-            raise ValueError("--duration must be positive")
-        if self.hosts < 2 or self.engines < 1:
-            raise ValueError("--hosts must be at least 2 and --engines at least 1")
-        if not 0 < self.deadline_min <= self.deadline_max:
-            raise ValueError("--deadline-min must be positive and at most --deadline-max")
-        if self.rate <= 0 or self.concurrency < 1 or self.fault_interval <= 0:
-            raise ValueError("--rate and --fault-interval must be positive, --concurrency at least 1")
+        if not 0 < self.duration < math.inf:
+            raise ValueError("--duration must be a finite number of seconds > 0")
+        if not 2 <= self.hosts <= 200 or self.engines < 1:
+            raise ValueError("--hosts must be from 2 to 200 and --engines at least 1")
+        if self.seed < 0:
+            raise ValueError("--seed must be >= 0")
+        if not 0 < self.deadline_min <= self.deadline_max < math.inf:
+            raise ValueError("--deadline-min must be positive and at most --deadline-max, both finite")
+        if not (0 < self.rate < math.inf and 0 < self.fault_interval < math.inf) or self.concurrency < 1:
+            raise ValueError("--rate and --fault-interval must be finite and positive, --concurrency "
+                             "at least 1")
         unknown = set(self.faults) - set(FAULT_KINDS)
         if unknown or not self.faults:
             raise ValueError(f"--faults must name some of {', '.join(FAULT_KINDS)}; "
