@@ -91,7 +91,10 @@ def _heads_part(held: range, wanted: range, layout: Layout, kv_groups: int,
     if size == n:
         return None
     offset = wanted.start - held.start
-    # Aligned by construction: both ranges come from even splits of the same heads.
+    if n % size or offset % size:  # TP sizes where neither divides the other
+        raise ValueError(f"heads {wanted.start}..{wanted.stop - 1} are not an equal part of heads "
+                         f"{held.start}..{held.stop - 1}, which one rank holds: no BlockPart selects "
+                         "them (use TP sizes where one divides the other)")
     groups = kv_groups if layout == "HND" else kv_groups * (block_size or 1)
     return BlockPart(offset // size, n // size, groups=groups)
 

@@ -127,6 +127,8 @@ def test_mla_reads_whole_blocks_spread_over_the_prefill_ranks() -> None:
     lambda: tp_reads(1, 2, 0, kv_heads=8, layout="NHD"),  # NHD needs the block size
     lambda: tp_reads(1, 2, 0, kv_heads=8, layout="LBHNC"),  # type: ignore[arg-type]
     lambda: tp_reads(1, 16, 0, kv_heads=6),  # 16 does not replicate 6 heads evenly
+    lambda: tp_reads(2, 3, 0, kv_heads=6),  # 2 of a prefill rank's 3 heads: no equal part
+    lambda: tp_reads(3, 2, 0, kv_heads=12),  # 4 of a decode rank's 6 heads: no equal part
     lambda: mla_reads(0, 0),
     lambda: block_size_reads([0], [1, 2], prefill_block_size=16, decode_block_size=24, layout="NHD"),
     lambda: block_size_reads([0], [1, 2, 3], prefill_block_size=16, decode_block_size=32, layout="NHD"),
@@ -135,6 +137,21 @@ def test_mla_reads_whole_blocks_spread_over_the_prefill_ranks() -> None:
 def test_sizes_with_no_such_form_are_value_errors(call: object) -> None:
     with pytest.raises(ValueError):
         call()  # type: ignore[operator]
+
+
+def test_tp_reads_select_as_many_heads_on_both_sides_or_refuse() -> None:
+    for p, d, heads in itertools.product(range(1, 9), range(1, 9), range(1, 17)):
+        for rank in range(d):
+            try:
+                reads = tp_reads(p, d, rank, kv_heads=heads)
+            except ValueError:
+                continue
+            mine = heads_of_rank(d, rank, heads)
+            for r in reads:
+                theirs = heads_of_rank(p, r.remote_rank, heads)
+                remote = len(theirs) // (r.remote_part.count if r.remote_part else 1)
+                local = len(mine) // (r.local_part.count if r.local_part else 1)
+                assert remote == local, (p, d, heads, rank, r)
 
 
 def test_every_part_a_helper_returns_divides_the_blocks_it_is_meant_for() -> None:

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -82,10 +83,19 @@ def test_make_caches_is_a_cheap_deterministic_function_of_seed_region_block() ->
     # The default geometry is the documented one; other dtypes work too.
     assert [tuple(c.shape) for c in make_caches(0)] == [(64, 16, 8, 64)] * 2
     assert make_caches(1, 4, (32,), ("uint8", "float32"))[1].shape == (4, 32)
-    for bad in ({"seed": -1}, {"seed": 0, "num_blocks": 0}, {"seed": 0, "block_shape": ()},
-                {"seed": 0, "dtypes": ("nonsense",)}, {"seed": 0, "dtypes": ("bool",)}):
+    for bad in ({"seed": -1}, {"seed": 2**80}, {"seed": 0, "num_blocks": 0}, {"seed": 0, "block_shape": ()},
+                {"seed": 0, "dtypes": ("nonsense",)}, {"seed": 0, "dtypes": ("bool",)},
+                {"seed": 0, "dtypes": ("quint4x2",)}, {"seed": 0, "dtypes": ("qint8",)}):  # these crashed
         with pytest.raises(ValueError):
             make_caches(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [{"name": ""}, {"name": 5}, {"listen": None}, {"env": {"A": 1}},
+                                 {"command_prefix": "ip netns exec x"}, {"seed": 2**80}], ids=str)
+def test_remote_engine_arguments_that_would_fail_only_in_the_child_are_refused_here(
+        bad: dict[str, Any]) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        RemoteEngine(**{"seed": 1, **bad})
 
 
 def test_assert_blocks_equal_names_the_first_region_and_block_that_differ() -> None:

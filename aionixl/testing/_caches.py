@@ -42,16 +42,19 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or dtype == torch.bool:
-        raise ValueError(f"{name!r} is not a torch dtype make_caches can fill (bool is refused)")
+    quantized = {getattr(torch, q) for q in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                 if hasattr(torch, q)}  # filling these crashes the interpreter
+    if not isinstance(dtype, torch.dtype) or dtype == torch.bool or dtype in quantized:
+        raise ValueError(f"{name!r} is not a torch dtype make_caches can fill (bool and quantized "
+                         "dtypes are refused)")
     return dtype
 
 
 def check_geometry(seed: int, num_blocks: int, block_shape: Sequence[int],
                    dtypes: Sequence[str]) -> tuple[int, ...]:
     """Validate a seed and a cache geometry; returns ``block_shape`` as a tuple."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int from 0 to 2**63 - 1, got {seed!r}")
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
     shape = tuple(block_shape)

@@ -24,6 +24,7 @@ import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aionixl import AionixlError, EngineConfig, EtcdDiscovery, Notification, _lines
+from aionixl._checks import check_text, check_timeout
 
 from ._caches import (
     DEFAULT_BLOCK_SHAPE,
@@ -145,6 +146,13 @@ class RemoteEngine:
             _check_target(workload, "workload")
         if not isinstance(workload_args, bytes):
             raise TypeError("workload_args must be bytes")
+        if name is not None:
+            check_text(name, "name")
+        check_text(listen, "listen")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (env or {}).items()):
+            raise TypeError("env must map str to str")
+        if isinstance(command_prefix, str) or not all(isinstance(p, str) for p in command_prefix):
+            raise TypeError("command_prefix must be a sequence of str (argv words), not one str")
         self.name: str = name if name is not None else unique_name("remote")
         self.seed: int = seed
         self.num_blocks = num_blocks
@@ -316,12 +324,14 @@ class RemoteEngine:
     async def connect(self, address: str, timeout: float = 10.0) -> str:
         """Make the child engine connect to ``address`` (an engine of the test, say, so that
         it sees the child as an inbound peer); returns the name of the peer it reached."""
+        check_timeout(timeout, "timeout")
         reply = await self._call("connect", extra_time=timeout, address=address, timeout=float(timeout))
         return str(reply.value)
 
     async def connect_to(self, name: str, timeout: float = 10.0) -> str:
         """Make the child engine ``connect_to(name)`` through its discovery; returns the
         name of the peer it reached."""
+        check_timeout(timeout, "timeout")
         reply = await self._call("connect_to", extra_time=timeout, name=name, timeout=float(timeout))
         return str(reply.value)
 
@@ -341,6 +351,7 @@ class RemoteEngine:
         notification, or ``TimeoutError``."""
         if not isinstance(message, bytes):
             raise TypeError("message must be bytes")
+        check_timeout(timeout, "timeout")
         reply = await self._call("wait_notification", extra_time=timeout, message=message,
                                  timeout=float(timeout))
         return Notification(peer=reply.value["peer"], message=msgspec.convert(
