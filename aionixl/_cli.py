@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import anyio
+
+_T = TypeVar("_T")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +83,23 @@ def _add_soak_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-events", action="store_true", help="keep the engines' event files (path printed)")
 
 
+async def _until_terminated(run: Callable[..., Awaitable[_T]], *args: Any) -> _T | None:
+    """``await run(*args)``; a SIGTERM (what ``timeout`` and service managers send) cancels
+    it as Ctrl-C does, so that its clean-up runs (the soak's namespaces, etcd): None then."""
+    result: _T | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def on_sigterm() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+
+        tg.start_soon(on_sigterm)
+        result = await run(*args)
+        tg.cancel_scope.cancel()
+    return result
+
+
 def _soak(args: argparse.Namespace) -> int:
     """Run the soak; 0 without violations, 1 with, 2 when it could not run here."""
     import json
@@ -102,10 +124,13 @@ def _soak(args: argparse.Namespace) -> int:
             return 2
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     try:
-        summary = anyio.run(soak, options, args.json, plot, print, args.keep_events)
+        summary = anyio.run(_until_terminated, soak, options, args.json, plot, print, args.keep_events)
     except (TwoHostsError, EtcdError) as exc:
         print(f"aionixl soak: cannot run here: {exc}", file=sys.stderr)
         return 2
+    if summary is None:
+        print("aionixl soak: terminated (SIGTERM); its hosts and etcd were cleaned up", file=sys.stderr)
+        return 128 + signal.SIGTERM
     brief = {k: summary[k] for k in ("transfers", "transfers_ok", "bytes_verified", "errors_by_type",
                                      "faults_by_kind", "worst_time_to_error_s", "violations",
                                      "violations_by_kind", "engines_closed_clean")}

@@ -344,6 +344,38 @@ def test_soak_options_that_could_only_fail_later_are_refused_at_once(change: dic
         SoakOptions(**change).check()
 
 
+async def test_a_sigterm_cancels_the_soak_so_that_its_clean_up_runs() -> None:
+    """``aionixl soak`` killed with SIGTERM (``timeout``, a service manager) left its network
+    namespaces and etcd behind; it now runs under _until_terminated, which turns SIGTERM
+    into a cancellation, as Ctrl-C is: the soak's finally blocks (hosts, etcd) run."""
+    import signal
+
+    from aionixl._cli import _until_terminated
+
+    cleaned: list[str] = []
+
+    async def soak_like(name: str) -> str:
+        try:
+            await anyio.sleep(0.2)  # the SIGTERM receiver is open by now
+            os.kill(os.getpid(), signal.SIGTERM)
+            await anyio.sleep(30)
+            return name
+        finally:
+            cleaned.append(name)
+
+    started = time.monotonic()
+    with anyio.fail_after(10):
+        assert await _until_terminated(soak_like, "soak") is None
+    assert cleaned == ["soak"] and time.monotonic() - started < 5
+    assert await _until_terminated(anyio.sleep, 0) is None  # a run that ends returns its result
+    assert await _until_terminated(_echo, "done") == "done"
+
+
+async def _echo(value: str) -> str:
+    await anyio.sleep(0)
+    return value
+
+
 def test_soak_refuses_a_json_path_it_could_not_write_before_it_starts() -> None:
     proc = subprocess.run([sys.executable, "-m", "aionixl", "soak", "--json", "/nonexistent-dir/soak.json"],
                           capture_output=True, text=True, timeout=60)
