@@ -26,6 +26,7 @@ import anyio.abc
 import anyio.lowlevel
 import zmq
 
+from . import _zmq
 from ._checks import check_timeout, single_leaf
 from ._coalesce import Coalescer
 from ._config import EngineConfig
@@ -76,6 +77,8 @@ class Engine:
             raise ValueError("name must be a non-empty str")
         if listen is not None and (not isinstance(listen, str) or not listen):
             raise ValueError("listen must be a zmq endpoint string such as 'tcp://127.0.0.1:0', or None")
+        if listen is not None:
+            _zmq.check_tcp_port(listen, "listen")
         if config is None:
             config = EngineConfig()
         elif not isinstance(config, EngineConfig):
@@ -588,6 +591,7 @@ class Engine:
         self._check_open()
         if not isinstance(listen, str) or not listen:
             raise ValueError("listen must be a zmq endpoint string such as 'tcp://0.0.0.0:5600'")
+        _zmq.check_tcp_port(listen, "listen")
         server = self._vllm_server
         server.configure(engine_id=engine_id, compat_hash=compat_hash, block_size=block_size,
                          kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,

@@ -140,6 +140,7 @@ class Handshakes:
         life.check_open()
         if not isinstance(address, str) or not address:
             raise ValueError("address must be a zmq endpoint string")
+        _zmq.check_tcp_port(address, "address")
         check_timeout(timeout, "timeout")
         failed_attempts: list[BaseException] = []
         try:

@@ -42,7 +42,9 @@ MAX_REPLY_BYTES = 16 << 20
 def _endpoint(address: str) -> str:
     if not isinstance(address, str) or not address:
         raise ValueError("address must be 'tcp://host:port' or 'host:port'")
-    return address if "://" in address else f"tcp://{address}"
+    endpoint = address if "://" in address else f"tcp://{address}"
+    _zmq.check_tcp_port(endpoint, "address")
+    return endpoint
 
 
 async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,

@@ -69,6 +69,15 @@ def connect_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str,
     return sock
 
 
+def check_tcp_port(endpoint: str, what: str) -> None:
+    """``ValueError`` for a ``tcp://`` endpoint whose port is past 65535: zmq takes it modulo
+    65536, so ``tcp://host:99999`` would bind, or reach, port 34463."""
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        if port.isdigit() and int(port) > 65535:
+            raise ValueError(f"{what} {endpoint!r}: TCP port {port} is past 65535")
+
+
 def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, max_bytes: int,
                 backlog: int) -> zmq.Socket[bytes]:
     """A listener's ROUTER socket bound to ``endpoint``: it closes at once (LINGER 0), fails

@@ -411,6 +411,23 @@ async def test_an_error_after_a_peers_metadata_is_loaded_unloads_it(
     assert zero_resources(src) and zero_resources(dst)
 
 
+async def test_a_tcp_port_past_65535_is_refused_not_wrapped() -> None:
+    """zmq takes such a port modulo 65536 (99999 would be 34463): listening, connecting,
+    serving vLLM and connecting to it refuse it instead."""
+    with pytest.raises(ValueError, match="past 65535"):
+        aionixl.Engine(unique("src"), numpy_cache(2, 64, 1), listen="tcp://127.0.0.1:99999")
+    serve = {"engine_id": "p", "compat_hash": "c" * 48, "block_size": 16, "kv_cache_layout": "LBHNC",
+             "attn_backend_name": "CPU_ATTN"}
+    async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
+        calls = [lambda: dst.connect("tcp://127.0.0.1:70000", timeout=1),
+                 lambda: dst.connect_vllm("127.0.0.1:65536", timeout=1),
+                 lambda: dst.serve_vllm("tcp://127.0.0.1:99999", **serve)]
+        for call in calls:
+            with pytest.raises(ValueError, match="past 65535"):
+                await call()
+        assert dst.peers == {} and dst.live_resources()["remote_agents"] == 0
+
+
 async def test_connect_to_a_dead_address_times_out() -> None:
     address = f"tcp://127.0.0.1:{free_port()}"
     async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
