@@ -211,6 +211,7 @@ class Engine:
             "reposts": self._coalescer.reposts,
             "pushes_served": self._push.served,
             "pushes_refused": self._push.refused,
+            "pushes_lost": self._push.lost,
             "fence_evictions": self._peers.fenced_evictions,
             "staging_slots": staging.slots if staging else 0,
             "staging_stranded": staging.stranded if staging else 0,

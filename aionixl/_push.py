@@ -26,10 +26,16 @@ The exchange, all over reserved NIXL notifications (their formats are in
   further hop, and also when the reader dies right after.
 - ``PERR`` + (id, reason): the server refused or gave up, with none of that request's
   writes outstanding.
+- ``PLOST`` + (id, reason): the read failed with a chunk that ended without completing
+  (NIXL reported it failed, or its handle was released while it moved: the reader was
+  dropped, or it was stuck past ``STUCK_CHUNK_WAIT``). UCX may still deliver that chunk's
+  bytes, so the reader fails the read and keeps what it was landing in out of use. The
+  server remembers such reads (per reader incarnation) and answers a later ``PCANCEL`` for
+  one with ``PLOST`` again, never ``PGONE``.
 - reader → server ``PCANCEL`` + id, when the caller timed out or was cancelled. The server
   stops before the next chunk, waits for the chunk under way (UCX cannot abort a PUT, and
   NIXL's release does not either), then answers ``PGONE`` + id: nothing more of it will
-  land. A reader that hears neither ``PGONE``, ``PDONE`` nor ``PERR`` within
+  land. A reader that hears none of ``PGONE``, ``PDONE``, ``PERR`` or ``PLOST`` within
   ``push_cancel_timeout`` evicts the peer (``remove_remote_agent``). That does not stop a
   chunk already under way over UCX tcp: UCX keeps the socket it arrives on open for
   receiving, so against a server stopped or cut off mid-chunk the rest of that one chunk can
@@ -47,6 +53,7 @@ import itertools
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import anyio
@@ -78,6 +85,7 @@ from ._wire import (
     PDONE,
     PERR,
     PGONE,
+    PLOST,
     PUSH,
     PUSH_FAMILY,
     RESERVED,
@@ -107,6 +115,10 @@ _OPEN, _DONE, _GONE, _FAILED = 0, 1, 2, 3
 #: its end can be confirmed to the reader (which reuses its staging slots then).
 STUCK_CHUNK_WAIT = 60.0
 
+#: How many reads whose bytes may still land (``PLOST``) a server remembers, oldest
+#: forgotten first: a reader asking about one forgotten gets ``PGONE``.
+LOST_MEMORY = 4096
+
 
 class _Read:
     """One push read this engine asked for, until the server says nothing more will land."""
@@ -135,11 +147,14 @@ class _Read:
 class _Job:
     """One push this engine serves: the chunks still to write into a peer's blocks."""
 
-    __slots__ = ("peer", "rid", "chunks", "parts", "dlist", "deadline", "notify", "cancelled", "wake")
+    __slots__ = ("peer", "reader", "rid", "chunks", "parts", "dlist", "deadline", "notify", "cancelled",
+                 "wake")
 
     def __init__(self, peer: Peer, rid: int, chunks: list[tuple[IndexArray, IndexArray]],
                  parts: PartLists | None, dlist: int, deadline: float, notify: bytes) -> None:
         self.peer = peer
+        #: The reader's agent (its incarnation): a revived Peer object may be another's.
+        self.reader = peer._metadata
         self.rid = rid
         self.chunks = chunks
         self.parts = parts  # the lists the chunks index, for parts of blocks; else whole blocks
@@ -166,11 +181,14 @@ class Pusher:
         self._ids = itertools.count(1)
         self.reads: dict[int, _Read] = {}  # ours, by request id
         self.jobs: dict[tuple[str, int], _Job] = {}  # served, by (peer name, request id)
+        #: Served reads whose bytes may still land, by (reader name, its metadata, request id).
+        self._lost: OrderedDict[tuple[str, bytes, int], None] = OrderedDict()
         self._per_peer: dict[str, int] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self.served = 0  # pushes completed for peers (stats)
         self.refused = 0  # push requests refused (stats)
+        self.lost = 0  # pushes that ended with a chunk whose bytes may still land (stats)
         self.exhausted = 0  # push reads refused: every staging slot was stranded
         self._close_error: AionixlError | None = None  # set once the engine is closing
 
@@ -366,17 +384,19 @@ class Pusher:
             self._settle(name, message[len(PDONE):], _DONE)
         elif message.startswith(PGONE):
             self._settle(name, message[len(PGONE):], _GONE)
-        elif message.startswith(PERR):
+        elif message.startswith((PERR, PLOST)):
+            lost = message.startswith(PLOST)
             try:
-                err = decode_push_error(message[len(PERR):])
+                err = decode_push_error(message[len(PLOST if lost else PERR):])
             except (msgspec.DecodeError, msgspec.ValidationError):
                 return True
             rec = self.reads.get(err.rid)
             if rec is not None and rec.peer.name == name:
-                rec.confirmed = True
+                rec.confirmed = not lost  # lost: what it was landing in stays out of use
                 rec.settle(_FAILED, TransferError(
-                    f"peer {name!r} refused or stopped the read: {err.reason[:300]}"))
-            elif self._local.staging is not None:
+                    f"peer {name!r} lost the read, and bytes of it may still land: {err.reason[:300]}"
+                    if lost else f"peer {name!r} refused or stopped the read: {err.reason[:300]}"))
+            elif not lost and self._local.staging is not None:
                 self._local.staging.confirmed_late(name, err.rid)
         elif message.startswith(PCANCEL):
             self._cancel(name, message[len(PCANCEL):])
@@ -401,7 +421,11 @@ class Pusher:
             job.wake.set()
             return
         peer = self._peers.by_name.get(name)
-        if peer is not None:  # nothing of it is under way: say so at once
+        if peer is None:
+            return
+        if (name, peer._metadata, rid) in self._lost:  # its bytes may still land: never say gone
+            self._send(peer, push_error(rid, "a chunk of it ended without completing", lost=True))
+        else:  # nothing of it is under way: say so at once
             self._send(peer, PGONE + rid_bytes(rid))
 
     def _refuse(self, peer: Peer, rid: int, reason: str) -> None:
@@ -544,24 +568,24 @@ class Pusher:
                         table.take(handle, rec)
                 if timed_out:
                     self._noisy.log(logging.WARNING, "push-timeout", "push to %r timed out", peer.name)
-                    if rec.event.is_set():
-                        self._send(peer, PGONE + rid_bytes(rid))
-                    return
                 if rec.status != DONE:
-                    if peer.connected and rec.error is not None \
-                            and not isinstance(rec.error, PeerDisconnectedError):
-                        outcome = str(rec.error)
-                        break
-                    return  # the peer was dropped or evicted: nobody to tell
+                    # Only NIXL's DONE says a chunk's bytes are all in place: failed, released
+                    # with its reader dropped, or still moving, the rest may yet land.
+                    self._lose(job, str(rec.error) if rec.error is not None
+                               else f"a chunk still moving {STUCK_CHUNK_WAIT} s past the deadline")
+                    return
+                if timed_out:  # the reader gave up on it, and it has now ended
+                    self._tell(job, PGONE + rid_bytes(rid))
+                    return
             if outcome == "done":
                 self.served += 1
                 if job.notify:
                     self._deliver(Notification(peer.name, job.notify))
                     self._wake_drainer()
             elif outcome == "cancelled":
-                self._send(peer, PGONE + rid_bytes(rid))
+                self._tell(job, PGONE + rid_bytes(rid))
             else:
-                self._send(peer, push_error(rid, outcome))
+                self._tell(job, push_error(rid, outcome))
         finally:
             self.jobs.pop((peer.name, rid), None)
             left = self._per_peer.get(peer.name, 1) - 1
@@ -569,6 +593,21 @@ class Pusher:
                 self._per_peer[peer.name] = left
             else:
                 self._per_peer.pop(peer.name, None)
+
+    def _tell(self, job: _Job, message: bytes) -> None:
+        """Tell the reader of ``job`` how its read ended, unless the peer is now another
+        incarnation of that name (a revived Peer object)."""
+        if job.peer._metadata == job.reader:
+            self._send(job.peer, message)
+
+    def _lose(self, job: _Job, reason: str) -> None:
+        """``job`` ended with a chunk whose bytes may still land: say so (``PLOST``), now and
+        whenever its reader asks us to stop it."""
+        self.lost += 1
+        self._lost[(job.peer.name, job.reader, job.rid)] = None
+        if len(self._lost) > LOST_MEMORY:
+            self._lost.popitem(last=False)
+        self._tell(job, push_error(job.rid, reason, lost=True))
 
     # ---- peers lost, engine closing -----------------------------------------------------
 
@@ -614,7 +653,7 @@ class Pusher:
                 break
             for name, messages in notifs.items():
                 for message in messages:
-                    if message.startswith((PDONE, PGONE, PERR)):
+                    if message.startswith((PDONE, PGONE, PERR, PLOST)):
                         self.heard(name, message)
             await anyio.sleep(0.0005)
         self.reads.clear()

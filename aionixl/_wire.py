@@ -47,14 +47,17 @@ STAGED_FEATURE = "push-staged"
 FEATURES: frozenset[str] = frozenset({MULTI_NOTIFY, PUSH_FEATURE, TAGGED_NOTIFY, PARTS_FEATURE,
                                       STAGED_FEATURE})
 
-# ---- push reads: reader -> server PUSH and PCANCEL; server -> reader PDONE, PERR, PGONE ----
+# ---- push reads: reader -> server PUSH and PCANCEL; server -> reader PDONE, PERR, PGONE, PLOST ----
 
 PUSH = RESERVED + b"push\x00"
 PCANCEL = RESERVED + b"pcancel\x00"
 PDONE = RESERVED + b"pdone\x00"
 PERR = RESERVED + b"perr\x00"
 PGONE = RESERVED + b"pgone\x00"
-PUSH_FAMILY = (PUSH, PCANCEL, PDONE, PERR, PGONE)
+#: The read failed and bytes of it may still land (a chunk ended without completing):
+#: unlike PERR, not a word that the reader may reuse what it was landing in.
+PLOST = RESERVED + b"plost\x00"
+PUSH_FAMILY = (PUSH, PCANCEL, PDONE, PERR, PGONE, PLOST)
 #: Longest push request the server decodes (ids are 4 bytes each, two lists).
 MAX_PUSH_REQUEST = 64 << 20
 
@@ -98,8 +101,9 @@ def push_request(request: PushRequest) -> bytes:
     return PUSH + _encoder.encode(request)
 
 
-def push_error(rid: int, reason: str) -> bytes:
-    return PERR + _encoder.encode(PushError(rid, reason))
+def push_error(rid: int, reason: str, *, lost: bool = False) -> bytes:
+    """PERR (nothing of the read is outstanding), or PLOST with ``lost``."""
+    return (PLOST if lost else PERR) + _encoder.encode(PushError(rid, reason))
 
 
 def decode_push_request(payload: bytes) -> PushRequest:

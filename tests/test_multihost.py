@@ -231,3 +231,47 @@ def test_prefill_restart_at_the_same_address(hosts: TwoHosts,
     assert result["match"], "read the old incarnation's bytes, or garbage"
     assert_closed_fast(decode)
     assert_closed_fast(reborn)
+
+
+def slow_link(host: Host, rate: str = "40mbit") -> None:
+    """Limit what ``host`` sends over its veth device (so a chunk is still moving when the
+    link goes down)."""
+    subprocess.run(host.command(["tc", "qdisc", "add", "dev", host.dev, "root", "tbf", "rate", rate,
+                                 "burst", "32kb", "latency", "2s"]), check=True)
+
+
+def test_a_server_that_dropped_a_reader_mid_chunk_never_says_the_read_is_over(
+        hosts: TwoHosts, children: list[Child]) -> None:
+    """The server drops the reader while a chunk of a push read is stuck on a cut link: the
+    chunk's handle is released, but UCX still delivers its bytes once the link is back. So
+    when the reader's read times out and it asks the server (reconnected meanwhile) to stop,
+    the server answers that the read is lost, not that nothing more of it will land: the
+    reader keeps that round's staging slots out of use (stranded) instead of reusing them
+    under the late bytes, and needs no eviction to do so; the slots left serve reads."""
+    prefill_host, decode_host = hosts.a, hosts.b
+    prefill = Child(prefill_host, "prefill", unique("prefill"), backend="asyncio",
+                    listen=f"tcp://{prefill_host.addr}:0")
+    decode = Child(decode_host, "decode", unique("decode"), backend="trio",
+                   listen=f"tcp://{decode_host.addr}:0")
+    children += [prefill, decode]
+    address = prefill.wait_ready()["address"]
+    decode_address = decode.wait_ready()["address"]
+    assert decode.call(op="connect", address=address, timeout=20)["read_mode"] == "push"
+    assert_read_ok(decode)
+    slots = decode.call(op="state")["stats"]["staging_slots"]
+    slow_link(prefill_host)  # a round (half the slots: 4 MiB) now takes ~0.8 s to send
+    decode.send(op="read", n=slots, timeout=6.0)
+    time.sleep(0.3)
+    hosts.cut(prefill_host)  # the first round's chunk is stuck
+    assert prefill.call(op="disconnect")["ok"]  # drops the reader: the stuck chunk is released
+    hosts.restore()
+    assert prefill.call(op="connect", address=decode_address, timeout=20)["ok"]
+    timed_out = decode.reply(wait=30)
+    assert not timed_out["ok"] and timed_out["error"] == "TransferTimeoutError", timed_out
+    stats = decode.call(op="state")["stats"]
+    assert stats["staging_stranded"] == slots // 2, stats
+    assert stats["staging_reclaimed"] == 0 and stats["fence_evictions"] == 0, stats
+    assert prefill.call(op="state")["stats"]["pushes_lost"] == 1
+    assert_read_ok(decode)  # in rounds of what is left
+    assert_closed_fast(decode)
+    assert_closed_fast(prefill)

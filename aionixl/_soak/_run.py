@@ -44,7 +44,7 @@ STARTS_AT_ONCE = 4
 #: What each engine's stats() says at the end, summed into the report: how often a read
 #: ended unconfirmed (its staging slots stranded, a late byte's only place to land) and
 #: how often the server's late word gave them back.
-ENGINE_STATS = ("fence_evictions", "peers_evicted", "staging_stranded", "staging_reclaimed",
+ENGINE_STATS = ("fence_evictions", "peers_evicted", "pushes_lost", "staging_stranded", "staging_reclaimed",
                 "staging_exhausted")
 
 #: Seconds a failed read's destination is watched beyond the longest deadline: late bytes
