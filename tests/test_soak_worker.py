@@ -31,6 +31,7 @@ from aionixl._soak._worker import (
     Worker,
     WorkerSpec,
     byte_views,
+    fill_canary,
     record,
 )
 from aionixl.testing import assert_no_resources, make_caches
@@ -221,6 +222,19 @@ def test_a_verification_flags_a_wrong_byte() -> None:
     assert truth.check(views, [0], 9, [1]) != []
     views[1][5][100] ^= 1
     assert truth.check(views, [0, 5], 9, [0, 5]) == [(5, 5, 1, 1)]
+
+
+def test_a_block_that_does_not_verify_is_named_by_what_it_holds() -> None:
+    caches = make_caches(9, 6, SHAPE, DTYPES)
+    views = byte_views(caches)
+    truth = Truth([v.shape[1] for v in views], 4)
+    views[0][4] = truth.expected(7, 0, 2)  # another engine's source block 2
+    fill_canary(views, [5])
+    views[0][5][:3] = 0  # a canary partly overwritten
+    assert truth.identify([9, 7], 0, views[0][4]) == "seed 7 block 2"
+    assert truth.identify([9, 7], 1, views[1][5]) == "canary"
+    assert truth.identify([9, 7], 0, views[0][5]) == f"neither ({views[0].shape[1] - 3} canary bytes)"
+    assert truth.identify([9], 0, views[0][4]).startswith("neither")
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

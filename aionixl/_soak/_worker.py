@@ -205,6 +205,19 @@ class Truth:
                     bad.append((lb, rb, r, differ))
         return bad
 
+    def identify(self, seeds: Sequence[int], region: int, data: ByteView) -> str:
+        """What a block that did not verify holds, for a violation's detail: the canary
+        (nothing landed), a source block of one of ``seeds`` (which), or neither."""
+        canary = int(np.count_nonzero(data == CANARY))
+        if canary == data.size:
+            return "canary"
+        digest = _digest(data)
+        for seed in seeds:
+            blocks = self.digests(seed)[region]
+            if digest in blocks:
+                return f"seed {seed} block {blocks.index(digest)}"
+        return f"neither ({canary} canary bytes)"
+
 
 #: How a late-bytes record says whether every changed byte is the peer's own (the read's
 #: data, landing late) or not.
@@ -716,9 +729,11 @@ class Worker:
                          verified=len(local) * self.block_total, end=end)
             return True
         local_of = {(lb, rb) for lb, rb, _, _ in bad}
+        holds = [(lb, rb, r, n, self.truth.identify(self.spec.seeds, r, self.views[r][lb]))
+                 for lb, rb, r, n in bad[:16]]
         detail = (f"{op} from {name} returned at {end - start:.3f} s but {len(local_of)} of "
                   f"{len(local)} blocks differ from source blocks of seed {seed}: "
-                  f"(local, remote, region, bytes) {bad[:16]}{note}")
+                  f"(local, remote, region, bytes differing, what it holds) {holds}{note}")
         ok_blocks = len(local) - len({lb for lb, _ in local_of})
         self.op_done(op, name, len(local), deadline, t, start, None, verified=ok_blocks * self.block_total,
                      violation="bad_bytes", detail=detail, end=end)
