@@ -642,7 +642,9 @@ class Engine:
         ``local_blocks[i]``; ``"write"`` copies the other way. Returns once the data is in
         place. ``notify`` is delivered to the peer after the data landed. ``timeout``
         defaults to ``EngineConfig.transfer_timeout``; on expiry, or on cancellation, the
-        NIXL transfer is aborted and released.
+        NIXL transfer is released. A read is fenced first (nothing more of it lands in our
+        blocks); a write is not: UCX cannot abort a posted WRITE, so its bytes may still
+        land in the peer's blocks after the call raised.
 
         ``local_part`` and ``remote_part`` (:class:`aionixl.BlockPart`; None is the whole
         block) move parts of blocks, for peers whose layout differs from ours (another
