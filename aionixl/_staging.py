@@ -125,8 +125,9 @@ class Staging:
     def admitted(self, server: str, metadata: bytes) -> None:
         """An engine of ``server``'s name handshook with agent ``metadata``. Another agent
         than the one a round was stranded by means a new process: the old one is gone (a
-        name is one engine at a time), and what it had sent was delivered long before its
-        successor could handshake."""
+        name is one engine at a time). What it had sent has almost always landed by then;
+        not if it was killed while its link was cut and its kernel resends the rest once
+        the link is back, after its successor handshook (a race no test has produced)."""
         for key in [k for k, (_, md) in self._stranded.items() if k[0] == server and md != metadata]:
             self._reclaim(self._stranded.pop(key)[0])
 
