@@ -30,11 +30,12 @@ rank. A smaller prefill block size (each decode block gathers several prefill bl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ._checks import check_int
+from ._checks import _shown, check_int
 from ._parts import BlockPart
 
 Layout = Literal["HND", "NHD"]
@@ -64,6 +65,18 @@ class BlockRead:
 
 def _positive(value: object, what: str) -> int:
     return check_int(value, what, 1)
+
+
+def _block_ids(values: Iterable[object], what: str) -> list[int]:
+    """``values`` as ints; ``ValueError`` for one that is not an integer (block 0.7 is not
+    block 0)."""
+    ids = []
+    for value in values:
+        try:
+            ids.append(operator.index(value))  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(f"{what} must hold integer block ids, got {_shown(value)}") from None
+    return ids
 
 
 def heads_of_rank(tp: int, rank: int, kv_heads: int) -> range:
@@ -151,7 +164,7 @@ def block_size_reads(local_blocks: Sequence[int], remote_blocks: Sequence[int], 
     if big % small or big == small:
         raise ValueError(f"decode_block_size {big} must be a multiple (> 1x) of prefill_block_size {small}")
     ratio = big // small
-    mine, theirs = [int(b) for b in local_blocks], [int(b) for b in remote_blocks]
+    mine, theirs = _block_ids(local_blocks, "local_blocks"), _block_ids(remote_blocks, "remote_blocks")
     if not theirs or -(-len(theirs) // ratio) != len(mine):
         raise ValueError(f"{len(theirs)} prefill blocks fill {-(-len(theirs) // ratio)} decode blocks of "
                          f"{ratio}, not {len(mine)}")
