@@ -83,21 +83,25 @@ def _add_soak_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-events", action="store_true", help="keep the engines' event files (path printed)")
 
 
-async def _until_terminated(run: Callable[..., Awaitable[_T]], *args: Any) -> _T | None:
-    """``await run(*args)``; a SIGTERM (what ``timeout`` and service managers send) cancels
-    it as Ctrl-C does, so that its clean-up runs (the soak's namespaces, etcd): None then."""
+async def _until_signalled(run: Callable[..., Awaitable[_T]], *args: Any) -> tuple[_T | None, int]:
+    """``await run(*args)``; SIGTERM (what ``timeout`` and service managers send) or SIGINT
+    (Ctrl-C) cancels it, so that its clean-up runs (the soak's namespaces, etcd) and no
+    traceback is printed. ``(result, 0)``, or ``(None, the signal)`` when one cut it short."""
     result: _T | None = None
+    got = 0
     async with anyio.create_task_group() as tg:
 
-        async def on_sigterm() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
+        async def on_signal() -> None:
+            nonlocal got
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    got = got or int(signum)
                     tg.cancel_scope.cancel()
 
-        tg.start_soon(on_sigterm)
+        tg.start_soon(on_signal)
         result = await run(*args)
         tg.cancel_scope.cancel()
-    return result
+    return (None, got) if got else (result, 0)
 
 
 def _soak(args: argparse.Namespace) -> int:
@@ -124,13 +128,15 @@ def _soak(args: argparse.Namespace) -> int:
             return 2
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     try:
-        summary = anyio.run(_until_terminated, soak, options, args.json, plot, print, args.keep_events)
+        summary, signum = anyio.run(_until_signalled, soak, options, args.json, plot, print,
+                                    args.keep_events)
     except (TwoHostsError, EtcdError) as exc:
         print(f"aionixl soak: cannot run here: {exc}", file=sys.stderr)
         return 2
     if summary is None:
-        print("aionixl soak: terminated (SIGTERM); its hosts and etcd were cleaned up", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        print(f"aionixl soak: stopped by {signal.Signals(signum).name}; its hosts and etcd were cleaned up",
+              file=sys.stderr)
+        return 128 + signum
     brief = {k: summary[k] for k in ("transfers", "transfers_ok", "bytes_verified", "errors_by_type",
                                      "faults_by_kind", "worst_time_to_error_s", "violations",
                                      "violations_by_kind", "engines_closed_clean")}

@@ -358,20 +358,23 @@ def test_soak_options_that_could_only_fail_later_are_refused_at_once(change: dic
         SoakOptions(**change).check()
 
 
-async def test_a_sigterm_cancels_the_soak_so_that_its_clean_up_runs() -> None:
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+async def test_a_sigterm_or_ctrl_c_cancels_the_soak_so_that_its_clean_up_runs(signum: str) -> None:
     """``aionixl soak`` killed with SIGTERM (``timeout``, a service manager) left its network
-    namespaces and etcd behind; it now runs under _until_terminated, which turns SIGTERM
-    into a cancellation, as Ctrl-C is: the soak's finally blocks (hosts, etcd) run."""
+    namespaces and etcd behind, and Ctrl-C printed a traceback; it now runs under
+    _until_signalled, which turns either into a cancellation: the soak's finally blocks
+    (hosts, etcd) run, and the caller learns which signal it was."""
     import signal
 
-    from aionixl._cli import _until_terminated
+    from aionixl._cli import _until_signalled
 
     cleaned: list[str] = []
+    number = int(signal.Signals[signum])
 
     async def soak_like(name: str) -> str:
         try:
-            await anyio.sleep(0.2)  # the SIGTERM receiver is open by now
-            os.kill(os.getpid(), signal.SIGTERM)
+            await anyio.sleep(0.2)  # the signal receiver is open by now
+            os.kill(os.getpid(), number)
             await anyio.sleep(30)
             return name
         finally:
@@ -379,10 +382,10 @@ async def test_a_sigterm_cancels_the_soak_so_that_its_clean_up_runs() -> None:
 
     started = time.monotonic()
     with anyio.fail_after(10):
-        assert await _until_terminated(soak_like, "soak") is None
+        assert await _until_signalled(soak_like, "soak") == (None, number)
     assert cleaned == ["soak"] and time.monotonic() - started < 5
-    assert await _until_terminated(anyio.sleep, 0) is None  # a run that ends returns its result
-    assert await _until_terminated(_echo, "done") == "done"
+    assert await _until_signalled(anyio.sleep, 0) == (None, 0)  # a run that ends returns its result
+    assert await _until_signalled(_echo, "done") == ("done", 0)
 
 
 async def _echo(value: str) -> str:
