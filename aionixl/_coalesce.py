@@ -107,8 +107,12 @@ class Batch(InFlight):
 
     def remove(self, entry: _Entry) -> None:
         """Take a member's blocks out (it left; ``dests`` keeps its blocks, which only
-        turns away a joiner that could have come in)."""
-        self.entries.remove(entry)
+        turns away a joiner that could have come in). Found by identity: ``list.remove``
+        compares entries with ``==``, which numpy index arrays refuse (ValueError)."""
+        for i, member in enumerate(self.entries):
+            if member is entry:
+                del self.entries[i]
+                break
         self.blocks -= entry[2]
 
     def expire(self, now: float) -> None:

@@ -463,3 +463,37 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
             assert np.array_equal(local[region][[32 + i for i in ok]], source[region][ok])
         live = eng.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
+
+
+async def test_a_one_block_member_leaves_a_request_opened_by_a_call_with_array_indices() -> None:
+    """A call of 40 ids given as an array (its descriptor indices are numpy arrays) opens a
+    merged request; two one-block callers join. The request finishes but is reported
+    running, and the one-block caller with a 0.3 s timeout leaves: its entry comes out (found
+    by identity: comparing it with the array entry raised ValueError, which left it in the
+    request and replaced its TransferTimeoutError), the request is posted again for the
+    others without it, and they get their bytes."""
+    async with first_post_reported_running(seed=51) as (src_cache, dst_cache, dst, peer, posts):
+        agent = dst._local.agent
+        assert agent is not None
+        real_check = agent.check
+
+        def check(handle: int) -> Any:
+            return _nixl.PROC if handle == STAND_IN else real_check(handle)
+
+        agent.check = check  # type: ignore[method-assign]
+        wide = np.arange(20, 60)
+
+        def call(i: int, timeout: float) -> Any:
+            ids = wide if i == 0 else [i]
+            return dst.transfer_blocks(peer, ids, ids, timeout=timeout)
+
+        outcomes = await together(call, {0: 15, 1: 15, 2: 0.3})
+        assert isinstance(outcomes[2], aionixl.TransferTimeoutError), outcomes
+        assert all(isinstance(outcomes[i], aionixl.TransferResult) for i in (0, 1)), outcomes
+        assert len(posts[0]) == 42 * REGIONS and dst.stats()["reposts"] == 1, posts
+        assert 2 not in posts[-1] and 1 in posts[-1] and len(posts[-1]) == 41 * REGIONS, posts
+        for r in range(REGIONS):
+            for block in [1, *wide]:
+                assert np.array_equal(dst_cache[r][block], src_cache[r][block])
+        live = dst.live_resources()
+        assert live["in_flight"] == 0 and live["transfer_handles"] == 0
