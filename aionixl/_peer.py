@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._parts import BlockPart, PartLists
 from ._regions import Region, region_offsets
+from ._wire import incarnation
 
 
 class RemoteSlots:
@@ -35,7 +36,7 @@ class Peer:
 
     __slots__ = ("name", "address", "regions", "num_blocks", "features", "host", "_dlist", "_offsets",
                  "_offset_list", "_metadata", "_owner", "_connected", "_lost", "_one_block", "_foreign",
-                 "read_mode", "_push", "_revive", "_unequal", "_parts", "_staging")
+                 "read_mode", "_push", "_revive", "_unequal", "_parts", "_staging", "_incarnation")
 
     def __init__(self, owner: object, name: str, address: str | None,
                  regions: list[Region], dlist: int, metadata: bytes,
@@ -53,6 +54,8 @@ class Peer:
         self._offsets = region_offsets(len(regions), self.num_blocks)
         self._offset_list: list[int] = self._offsets.ravel().tolist()
         self._metadata = metadata
+        #: Which process of its name this is (``aionixl._wire.incarnation``).
+        self._incarnation = incarnation(metadata)
         self._owner = owner  # the peer table (of one engine) that admitted it
         self._connected = True
         self._lost: BaseException | None = None  # why it was evicted, if it was

@@ -30,8 +30,15 @@ The exchange, all over reserved NIXL notifications (their formats are in
   (NIXL reported it failed, or its handle was released while it moved: the reader was
   dropped, or it was stuck past ``STUCK_CHUNK_WAIT``). UCX may still deliver that chunk's
   bytes, so the reader fails the read and keeps what it was landing in out of use. The
-  server remembers such reads (per reader incarnation) and answers a later ``PCANCEL`` for
+  server remembers such reads (:class:`LostReads`) and answers a later ``PCANCEL`` for
   one with ``PLOST`` again, never ``PGONE``.
+
+``PUSH`` and ``PCANCEL`` carry the reader's incarnation (a digest of its NIXL metadata:
+:func:`aionixl._wire.incarnation`). NIXL names a notification's sender by name only, and a
+reader killed while its link was cut can have a request delivered after a new process of
+its name was admitted: the server ignores a request or cancel from another incarnation
+than the one it knows by that name, which would otherwise write into, or free, the new
+process's staging slots.
 - reader → server ``PCANCEL`` + id, when the caller timed out or was cancelled. The server
   stops before the next chunk, waits for the chunk under way (UCX cannot abort a PUT, and
   NIXL's release does not either), then answers ``PGONE`` + id: nothing more of it will
@@ -53,7 +60,7 @@ import itertools
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import anyio
@@ -93,6 +100,7 @@ from ._wire import (
     PushRequest,
     decode_push_error,
     decode_push_request,
+    incarnation,
     push_error,
     push_request,
     rid_bytes,
@@ -115,9 +123,52 @@ _OPEN, _DONE, _GONE, _FAILED = 0, 1, 2, 3
 #: its end can be confirmed to the reader (which reuses its staging slots then).
 STUCK_CHUNK_WAIT = 60.0
 
-#: How many reads whose bytes may still land (``PLOST``) a server remembers, oldest
-#: forgotten first: a reader asking about one forgotten gets ``PGONE``.
-LOST_MEMORY = 4096
+
+
+class _Lost:
+    __slots__ = ("ids", "order", "below")
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.order: deque[int] = deque()
+        self.below = 0  # every id up to this one counts as lost
+
+
+class LostReads:
+    """The reads a server lost (a chunk of theirs may still land), by reader name and
+    incarnation, so that a later cancel of one is never answered "gone".
+
+    Bounded without forgetting one: past ``per_reader`` ids a reader's oldest are folded
+    into a watermark (every id at or below it then counts as lost; a reader's ids only
+    grow), and past ``readers`` incarnations the one lost from longest ago is dropped.
+    """
+
+    def __init__(self, per_reader: int = 4096, readers: int = 256) -> None:
+        self._per_reader = per_reader
+        self._max_readers = readers
+        self._readers: OrderedDict[tuple[str, bytes], _Lost] = OrderedDict()
+
+    def add(self, name: str, reader: bytes, rid: int) -> None:
+        key = (name, reader)
+        lost = self._readers.get(key)
+        if lost is None:
+            lost = self._readers[key] = _Lost()
+            if len(self._readers) > self._max_readers:
+                self._readers.popitem(last=False)
+        else:
+            self._readers.move_to_end(key)
+        if rid in lost.ids or rid <= lost.below:
+            return
+        lost.ids.add(rid)
+        lost.order.append(rid)
+        if len(lost.order) > self._per_reader:
+            oldest = lost.order.popleft()
+            lost.ids.discard(oldest)
+            lost.below = max(lost.below, oldest)
+
+    def holds(self, name: str, reader: bytes, rid: int) -> bool:
+        lost = self._readers.get((name, reader))
+        return lost is not None and (rid in lost.ids or rid <= lost.below)
 
 
 class _Read:
@@ -153,8 +204,8 @@ class _Job:
     def __init__(self, peer: Peer, rid: int, chunks: list[tuple[IndexArray, IndexArray]],
                  parts: PartLists | None, dlist: int, deadline: float, notify: bytes) -> None:
         self.peer = peer
-        #: The reader's agent (its incarnation): a revived Peer object may be another's.
-        self.reader = peer._metadata
+        #: The reader's incarnation: a revived Peer object may be another process's.
+        self.reader = peer._incarnation
         self.rid = rid
         self.chunks = chunks
         self.parts = parts  # the lists the chunks index, for parts of blocks; else whole blocks
@@ -181,8 +232,9 @@ class Pusher:
         self._ids = itertools.count(1)
         self.reads: dict[int, _Read] = {}  # ours, by request id
         self.jobs: dict[tuple[str, int], _Job] = {}  # served, by (peer name, request id)
-        #: Served reads whose bytes may still land, by (reader name, its metadata, request id).
-        self._lost: OrderedDict[tuple[str, bytes, int], None] = OrderedDict()
+        #: Served reads whose bytes may still land.
+        self._lost = LostReads()
+        self._own = b""  # our incarnation, once the agent is up
         self._per_peer: dict[str, int] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
@@ -278,6 +330,15 @@ class Pusher:
                 raise self._timed_out(peer, limit)
             self._still_on(peer)  # closing; else slots were stranded meanwhile: fewer a round
 
+    def _incarnation(self) -> bytes:
+        """Ours, as our requests and cancels carry it."""
+        if not self._own:
+            self._own = incarnation(self._local.metadata)
+        return self._own
+
+    def _cancel_message(self, rid: int) -> bytes:
+        return PCANCEL + rid_bytes(rid) + self._incarnation()
+
     @staticmethod
     def _timed_out(peer: Peer, limit: float) -> TransferTimeoutError:
         return TransferTimeoutError(f"transfer to {peer.name!r} did not finish within {limit} s; "
@@ -297,7 +358,7 @@ class Pusher:
                                            float(left), notify,
                                            None if dst_part is None else dst_part.as_tuple(),
                                            None if src_part is None else src_part.as_tuple(),
-                                           rec.staged))
+                                           rec.staged, self._incarnation()))
         self.reads[rid] = rec
         try:
             agent.send_notif(peer.name, request)
@@ -335,7 +396,7 @@ class Pusher:
         agent = self._local.agent
         assert agent is not None
         try:
-            agent.send_notif(peer.name, PCANCEL + rid_bytes(rec.rid))
+            agent.send_notif(peer.name, self._cancel_message(rec.rid))
         except AionixlError as exc:
             self._peers.evict(peer, exc)
             return
@@ -415,15 +476,16 @@ class Pusher:
 
     def _cancel(self, name: str, payload: bytes) -> None:
         rid = rid_of(payload)
+        sender = payload[8:]  # the reader's incarnation (absent from older readers)
         job = self.jobs.get((name, rid))
-        if job is not None:
+        if job is not None and (not sender or sender == job.reader):
             job.cancelled = True
             job.wake.set()
             return
         peer = self._peers.by_name.get(name)
-        if peer is None:
-            return
-        if (name, peer._metadata, rid) in self._lost:  # its bytes may still land: never say gone
+        if peer is None or (sender and sender != peer._incarnation):
+            return  # not from the process we know by that name: nothing of ours to tell it
+        if self._lost.holds(name, peer._incarnation, rid):  # its bytes may still land: never "gone"
             self._send(peer, push_error(rid, "a chunk of it ended without completing", lost=True))
         else:  # nothing of it is under way: say so at once
             self._send(peer, PGONE + rid_bytes(rid))
@@ -457,6 +519,13 @@ class Pusher:
             req = decode_push_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(peer, 0, f"malformed push request: {exc}")
+        if req.reader and req.reader != peer._incarnation:
+            # From an earlier process of that name, delivered late: serving it would write
+            # into the new one's staging slots, refusing it would fail the new one's read of
+            # that id.
+            self._noisy.log(logging.WARNING, "push-stale", "push request from an earlier process "
+                            "of %r: ignored", name[:80])
+            return
         try:
             chunks, parts, dlist = self._chunks(peer, req)
         except (ValueError, AionixlError) as exc:
@@ -523,12 +592,11 @@ class Pusher:
         agent = self._local.agent
         assert agent is not None
         peer, rid = job.peer, job.rid
-        outcome = "done"
         try:
             for n, (src, dst) in enumerate(job.chunks):
-                if job.cancelled or not peer.connected:
-                    outcome = "cancelled"
-                    break
+                if job.cancelled or not peer.connected:  # stopped between chunks: none moving
+                    self._tell(job, PGONE + rid_bytes(rid))
+                    return
                 last = n == len(job.chunks) - 1
                 parts = job.parts
                 try:
@@ -536,12 +604,13 @@ class Pusher:
                         "write", self._local.dlist if parts is None else parts.local, src,
                         job.dlist if parts is None else parts.remote, dst,
                         PDONE + rid_bytes(rid) if last else b"", self._config.inline_polls)
-                except PeerDisconnectedError as exc:
-                    self._peers.evict(peer, exc)
-                    return
                 except AionixlError as exc:
-                    outcome = f"posting a write failed: {exc}"
-                    break
+                    # NIXL posts a WRITE per descriptor: one that failed part-way may have
+                    # sent some, and those may still land.
+                    if isinstance(exc, PeerDisconnectedError):
+                        self._peers.evict(peer, exc)
+                    self._lose(job, f"posting a write failed: {exc}")
+                    return
                 if status == DONE and handle == NO_HANDLE:
                     continue
                 rec = InFlight(peer, table.new_event)
@@ -577,15 +646,10 @@ class Pusher:
                 if timed_out:  # the reader gave up on it, and it has now ended
                     self._tell(job, PGONE + rid_bytes(rid))
                     return
-            if outcome == "done":
-                self.served += 1
-                if job.notify:
-                    self._deliver(Notification(peer.name, job.notify))
-                    self._wake_drainer()
-            elif outcome == "cancelled":
-                self._tell(job, PGONE + rid_bytes(rid))
-            else:
-                self._tell(job, push_error(rid, outcome))
+            self.served += 1
+            if job.notify:
+                self._deliver(Notification(peer.name, job.notify))
+                self._wake_drainer()
         finally:
             self.jobs.pop((peer.name, rid), None)
             left = self._per_peer.get(peer.name, 1) - 1
@@ -595,18 +659,18 @@ class Pusher:
                 self._per_peer.pop(peer.name, None)
 
     def _tell(self, job: _Job, message: bytes) -> None:
-        """Tell the reader of ``job`` how its read ended, unless the peer is now another
-        incarnation of that name (a revived Peer object)."""
-        if job.peer._metadata == job.reader:
-            self._send(job.peer, message)
+        """Tell the reader of ``job`` how its read ended: through the job's peer, or the one
+        admitted since under that name if it is the same process; not to another process
+        (a revived Peer object may be one)."""
+        peer = job.peer if job.peer.connected else self._peers.by_name.get(job.peer.name)
+        if peer is not None and peer._incarnation == job.reader:
+            self._send(peer, message)
 
     def _lose(self, job: _Job, reason: str) -> None:
         """``job`` ended with a chunk whose bytes may still land: say so (``PLOST``), now and
         whenever its reader asks us to stop it."""
         self.lost += 1
-        self._lost[(job.peer.name, job.reader, job.rid)] = None
-        if len(self._lost) > LOST_MEMORY:
-            self._lost.popitem(last=False)
+        self._lost.add(job.peer.name, job.reader, job.rid)
         self._tell(job, push_error(job.rid, reason, lost=True))
 
     # ---- peers lost, engine closing -----------------------------------------------------
@@ -642,7 +706,7 @@ class Pusher:
         open_reads = [r for r in self.reads.values() if r.state == _OPEN and r.peer.connected]
         for rec in open_reads:
             try:
-                agent.send_notif(rec.peer.name, PCANCEL + rid_bytes(rec.rid))
+                agent.send_notif(rec.peer.name, self._cancel_message(rec.rid))
             except AionixlError:
                 rec.state = _GONE  # its connection is gone: nothing can land
         end = min(deadline_at, anyio.current_time() + self._config.push_cancel_timeout)

@@ -76,6 +76,9 @@ class PushRequest(msgspec.Struct, frozen=True, array_like=True):
     src_part: tuple[int, int, int] | None = None  # of the server's blocks
     #: ``dst`` names the reader's staging slots, not its blocks (``STAGED_FEATURE``).
     staged: bool = False
+    #: The reader's :func:`incarnation` (empty from older readers): a request an earlier
+    #: process of that name sent, delivered late, is not taken for its successor's.
+    reader: bytes = b""
 
 
 class PushError(msgspec.Struct, frozen=True, array_like=True):
@@ -90,6 +93,12 @@ _error_decoder = msgspec.msgpack.Decoder(PushError)
 
 def rid_bytes(rid: int) -> bytes:
     return rid.to_bytes(8, "little")
+
+
+def incarnation(metadata: bytes) -> bytes:
+    """Which process of a name an agent is: 8 bytes of a digest of its NIXL metadata
+    (each process has its own). A PCANCEL carries it after the request id."""
+    return hashlib.blake2b(metadata, digest_size=8).digest()
 
 
 def rid_of(payload: bytes) -> int:

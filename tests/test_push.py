@@ -146,6 +146,46 @@ async def test_the_server_validates_every_request() -> None:
         await dst.transfer_blocks(peer, [0], [7], timeout=10)
 
 
+async def test_a_push_request_from_another_process_of_the_readers_name_is_ignored() -> None:
+    """NIXL names a notification's sender by name only, so a request sent by an earlier
+    process of the reader's name and delivered late (its link was cut when it died) would be
+    served into the process now admitted under that name, or refused to it. Requests carry
+    the reader's incarnation: the server ignores one that is not the admitted process's, and
+    serves the same request with the right one."""
+    src_cache, dst_cache = numpy_cache(8, 4096, 1, seed=1), numpy_cache(4, 4096, 1)
+    async with engine_pair(src_cache, dst_cache, config=PUSH) as (src, dst, peer):
+        agent = dst._local.agent
+        assert agent is not None
+        before = dst_cache[0][1].copy()
+        own = _wire.incarnation(dst.nixl_metadata())
+        assert own != b"\x01" * 8
+
+        def request(rid: int, dst_block: int, src_block: int, reader: bytes) -> bytes:
+            ids = [np.array([b], dtype="<i4").tobytes() for b in (dst_block, src_block)]
+            return _wire.push_request(_wire.PushRequest(rid, ids[0], ids[1], 5.0, reader=reader))
+
+        agent.send_notif(peer.name, request(201, 1, 5, b"\x01" * 8))  # another process's
+        agent.send_notif(peer.name, request(202, 3, 6, own))  # ours, handled after it
+        dst._wake_drainer()
+        with anyio.fail_after(10):
+            while not np.array_equal(dst_cache[0][3], src_cache[0][6]):
+                await anyio.sleep(0.01)
+        assert np.array_equal(dst_cache[0][1], before)
+        assert src.stats()["pushes_served"] == 1 and src.stats()["pushes_refused"] == 0
+
+
+def test_lost_reads_are_never_forgotten_only_folded_into_a_watermark() -> None:
+    lost = _push.LostReads(per_reader=3, readers=2)
+    for rid in (5, 6, 7, 9):
+        lost.add("r", b"A", rid)
+    assert all(lost.holds("r", b"A", rid) for rid in (4, 5, 6, 7, 9))  # 5 folded: <= 5 lost
+    assert not lost.holds("r", b"A", 8) and not lost.holds("r", b"A", 10)
+    assert not lost.holds("r", b"B", 9)  # another process of that name
+    lost.add("q", b"C", 1)
+    lost.add("p", b"D", 1)  # a third incarnation: the one lost from longest ago goes
+    assert not lost.holds("r", b"A", 9) and lost.holds("q", b"C", 1) and lost.holds("p", b"D", 1)
+
+
 # ---- staging slots -----------------------------------------------------------------------
 
 async def test_a_read_larger_than_the_staging_slots_lands_in_rounds() -> None:
