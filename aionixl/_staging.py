@@ -58,6 +58,8 @@ class Staging:
         #: Slots of rounds that ended unconfirmed, by (server name, request id), with the
         #: NIXL metadata of the server's agent then.
         self._stranded: dict[tuple[str, int], tuple[Ids, bytes]] = {}
+        #: The NIXL metadata of each server's agent as last admitted.
+        self._agents: dict[str, bytes] = {}
         self.reclaimed = 0  # slots given back by a late confirmation or a server's restart
         self.closed = False
         self._queue: deque[object] = deque()  # readers waiting for slots, in arrival order
@@ -112,6 +114,8 @@ class Staging:
         land, else stranded until it does."""
         if confirmed:
             self._give_back(slots)
+        elif self._agents.get(server, metadata) != metadata:
+            self._reclaim(slots)  # a new process of that name was admitted meanwhile
         else:
             self._stranded[(server, rid)] = (slots, metadata)
             self._wake()  # fewer usable: a reader waiting for more than are left gives up
@@ -128,6 +132,7 @@ class Staging:
         name is one engine at a time). What it had sent has almost always landed by then;
         not if it was killed while its link was cut and its kernel resends the rest once
         the link is back, after its successor handshook (a race no test has produced)."""
+        self._agents[server] = metadata
         for key in [k for k, (_, md) in self._stranded.items() if k[0] == server and md != metadata]:
             self._reclaim(self._stranded.pop(key)[0])
 

@@ -83,6 +83,12 @@ async def test_a_new_agent_of_the_same_name_frees_what_the_old_one_stranded() ->
     assert staging.stranded == 3
     staging.admitted("p", b"md-2")  # a new process of that name: the old one is gone
     assert staging.stranded == 1 and staging.free == 3 and staging.reclaimed == 2
+    # A round of the old process that ends unconfirmed only now (its peer was dropped when
+    # the new one was admitted) is not stranded for good.
+    late = await staging.acquire(1)
+    assert late is not None
+    staging.settle(late, False, "p", 3, b"md-1")
+    assert staging.stranded == 1 and staging.free == 3 and staging.reclaimed == 3
 
 
 async def test_acquire_waits_for_slots_and_gives_up_when_too_few_are_usable() -> None:
