@@ -86,22 +86,26 @@ def _add_soak_arguments(p: argparse.ArgumentParser) -> None:
 async def _until_signalled(run: Callable[..., Awaitable[_T]], *args: Any) -> tuple[_T | None, int]:
     """``await run(*args)``; SIGTERM (what ``timeout`` and service managers send) or SIGINT
     (Ctrl-C) cancels it, so that its clean-up runs (the soak's namespaces, etcd) and no
-    traceback is printed. ``(result, 0)``, or ``(None, the signal)`` when one cut it short."""
+    traceback is printed. The signals stay caught until ``run`` has returned: another one
+    during the clean-up cannot cut it short. ``(result, 0)``, or ``(None, the signal)``
+    when one cut it short."""
     result: _T | None = None
     got = 0
-    async with anyio.create_task_group() as tg:
+    run_scope = anyio.CancelScope()
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
 
-        async def on_signal() -> None:
-            nonlocal got
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async def on_signal() -> None:
+                nonlocal got
                 async for signum in signals:
                     got = got or int(signum)
-                    tg.cancel_scope.cancel()
+                    run_scope.cancel()
 
-        tg.start_soon(on_signal)
-        result = await run(*args)
-        tg.cancel_scope.cancel()
-    return (None, got) if got else (result, 0)
+            tg.start_soon(on_signal)
+            with run_scope:
+                result = await run(*args)
+            tg.cancel_scope.cancel()
+    return (None, got) if run_scope.cancelled_caught else (result, 0)
 
 
 def _soak(args: argparse.Namespace) -> int:

@@ -112,8 +112,8 @@ class Batch(InFlight):
         for i, member in enumerate(self.entries):
             if member is entry:
                 del self.entries[i]
-                break
-        self.blocks -= entry[2]
+                self.blocks -= entry[2]
+                return
 
     def expire(self, now: float) -> None:
         """Some member's deadline passed: wake everyone to look (the rest wait again)."""

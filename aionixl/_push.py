@@ -138,9 +138,12 @@ class LostReads:
     """The reads a server lost (a chunk of theirs may still land), by reader name and
     incarnation, so that a later cancel of one is never answered "gone".
 
-    Bounded without forgetting one: past ``per_reader`` ids a reader's oldest are folded
-    into a watermark (every id at or below it then counts as lost; a reader's ids only
-    grow), and past ``readers`` incarnations the one lost from longest ago is dropped.
+    Past ``per_reader`` ids a reader's oldest are folded into a watermark (every id at or
+    below it then counts as lost; a reader's ids only grow). :meth:`keep_only` drops the
+    entries of a name's other processes (their cancels are ignored once another process
+    of that name is admitted). Past ``readers`` entries, the one lost from longest ago is
+    dropped; a cancel of one of its reads would then be answered "gone" (it takes that
+    many readers losing reads since).
     """
 
     def __init__(self, per_reader: int = 4096, readers: int = 256) -> None:
@@ -170,14 +173,21 @@ class LostReads:
         lost = self._readers.get((name, reader))
         return lost is not None and (rid in lost.ids or rid <= lost.below)
 
+    def keep_only(self, name: str, reader: bytes) -> None:
+        """``reader`` is the process admitted under ``name`` now: forget the others'."""
+        for key in [k for k in self._readers if k[0] == name and k[1] != reader]:
+            del self._readers[key]
+
 
 class _Read:
     """One push read this engine asked for, until the server says nothing more will land."""
 
-    __slots__ = ("peer", "rid", "staged", "sent", "state", "confirmed", "error", "event")
+    __slots__ = ("peer", "server", "rid", "staged", "sent", "state", "confirmed", "error", "event")
 
     def __init__(self, peer: Peer, rid: int, staged: bool = False) -> None:
         self.peer = peer
+        #: The server's agent when asked (a revived Peer object may be its successor's).
+        self.server = peer._metadata
         self.rid = rid
         self.staged = staged  # into our staging slots, not our blocks
         self.sent = False  # the request left: the server may write
@@ -298,8 +308,7 @@ class Pusher:
             finally:
                 # Free again unless the server may still write into them: it was asked and
                 # has not said it ended.
-                staging.settle(slots, rec.confirmed or not rec.sent, peer.name, rec.rid,
-                               peer._metadata)
+                staging.settle(slots, rec.confirmed or not rec.sent, peer.name, rec.rid, rec.server)
             done += n
         nbytes = nblocks * self._local.bytes_per_block
         return TransferResult(nblocks, nbytes, time.perf_counter() - started)
@@ -670,7 +679,12 @@ class Pusher:
         """``job`` ended with a chunk whose bytes may still land: say so (``PLOST``), now and
         whenever its reader asks us to stop it."""
         self.lost += 1
-        self._lost.add(job.peer.name, job.reader, job.rid)
+        name = job.peer.name
+        current = self._peers.by_name.get(name)
+        if current is None or current._incarnation == job.reader:  # else its cancels are ignored
+            self._lost.add(name, job.reader, job.rid)
+        if current is not None:
+            self._lost.keep_only(name, current._incarnation)
         self._tell(job, push_error(job.rid, reason, lost=True))
 
     # ---- peers lost, engine closing -----------------------------------------------------

@@ -73,6 +73,8 @@ def _block_ids(values: Iterable[object], what: str) -> list[int]:
     ids = []
     for value in values:
         try:
+            if isinstance(value, bool):
+                raise TypeError
             ids.append(operator.index(value))  # type: ignore[arg-type]
         except TypeError:
             raise ValueError(f"{what} must hold integer block ids, got {_shown(value)}") from None

@@ -135,6 +135,7 @@ def test_mla_reads_whole_blocks_spread_over_the_prefill_ranks() -> None:
     lambda: block_size_reads([0], [1], prefill_block_size=16, decode_block_size=16, layout="HND"),
     lambda: block_size_reads([0.7], [1, 2], prefill_block_size=16, decode_block_size=32, layout="NHD"),
     lambda: block_size_reads([0], [1, "2"], prefill_block_size=16, decode_block_size=32, layout="NHD"),
+    lambda: block_size_reads([0], [1, True], prefill_block_size=16, decode_block_size=32, layout="NHD"),
 ])
 def test_sizes_with_no_such_form_are_value_errors(call: object) -> None:
     with pytest.raises(ValueError):

@@ -181,9 +181,12 @@ def test_lost_reads_are_never_forgotten_only_folded_into_a_watermark() -> None:
     assert all(lost.holds("r", b"A", rid) for rid in (4, 5, 6, 7, 9))  # 5 folded: <= 5 lost
     assert not lost.holds("r", b"A", 8) and not lost.holds("r", b"A", 10)
     assert not lost.holds("r", b"B", 9)  # another process of that name
+    lost.add("r", b"B", 2)
+    lost.keep_only("r", b"B")  # B is the process admitted as "r" now: A's cancels are ignored
+    assert not lost.holds("r", b"A", 9) and lost.holds("r", b"B", 2)
     lost.add("q", b"C", 1)
-    lost.add("p", b"D", 1)  # a third incarnation: the one lost from longest ago goes
-    assert not lost.holds("r", b"A", 9) and lost.holds("q", b"C", 1) and lost.holds("p", b"D", 1)
+    lost.add("p", b"D", 1)  # past two entries: the one lost from longest ago goes
+    assert not lost.holds("r", b"B", 2) and lost.holds("q", b"C", 1) and lost.holds("p", b"D", 1)
 
 
 # ---- staging slots -----------------------------------------------------------------------

@@ -363,7 +363,8 @@ async def test_a_sigterm_or_ctrl_c_cancels_the_soak_so_that_its_clean_up_runs(si
     """``aionixl soak`` killed with SIGTERM (``timeout``, a service manager) left its network
     namespaces and etcd behind, and Ctrl-C printed a traceback; it now runs under
     _until_signalled, which turns either into a cancellation: the soak's finally blocks
-    (hosts, etcd) run, and the caller learns which signal it was."""
+    (hosts, etcd) run, also when the signal comes again meanwhile, and the caller learns
+    which signal it was."""
     import signal
 
     from aionixl._cli import _until_signalled
@@ -373,11 +374,14 @@ async def test_a_sigterm_or_ctrl_c_cancels_the_soak_so_that_its_clean_up_runs(si
 
     async def soak_like(name: str) -> str:
         try:
-            await anyio.sleep(0.2)  # the signal receiver is open by now
+            await anyio.sleep(0.2)
             os.kill(os.getpid(), number)
             await anyio.sleep(30)
             return name
         finally:
+            with anyio.CancelScope(shield=True):  # a clean-up that takes a while,
+                os.kill(os.getpid(), number)  # and the signal again meanwhile
+                await anyio.sleep(0.2)
             cleaned.append(name)
 
     started = time.monotonic()
