@@ -38,20 +38,26 @@ from .helpers import (
 pytestmark = pytest.mark.anyio
 
 
+def _stand_in_never_ends(dst: aionixl.Engine) -> None:
+    """The poller sees the first post (reported running under ``STAND_IN``) never end: only
+    a member leaving finds out how it did."""
+    agent = dst._local.agent
+    assert agent is not None
+    real_check = agent.check
+
+    def check(handle: int) -> Any:
+        return _nixl.PROC if handle == STAND_IN else real_check(handle)
+
+    agent.check = check  # type: ignore[method-assign]
+
+
 async def test_a_caller_of_a_repeated_pair_that_times_out_leaves_the_others_their_blocks() -> None:
     """Three callers read the same pair; their request finishes but is reported running,
     and the one with a 0.3 s timeout leaves: the request is aborted, the leaver's blocks
     fenced, and the pair posted again, once, for the two others (the leaver's entry goes,
     theirs stay), who get their results and the bytes."""
     async with first_post_reported_running(seed=43) as (src_cache, dst_cache, dst, peer, posts):
-        agent = dst._local.agent
-        assert agent is not None
-        real_check = agent.check
-
-        def check(handle: int) -> Any:
-            return _nixl.PROC if handle == STAND_IN else real_check(handle)
-
-        agent.check = check  # type: ignore[method-assign]
+        _stand_in_never_ends(dst)
         outcomes = await together(lambda i, timeout: dst.transfer_blocks(peer, [9], [5],
                                                                             timeout=timeout),
                                    {0: 15, 1: 0.3, 2: 15})
@@ -473,14 +479,7 @@ async def test_a_one_block_member_leaves_a_request_opened_by_a_call_with_array_i
     request and replaced its TransferTimeoutError), the request is posted again for the
     others without it, and they get their bytes."""
     async with first_post_reported_running(seed=51) as (src_cache, dst_cache, dst, peer, posts):
-        agent = dst._local.agent
-        assert agent is not None
-        real_check = agent.check
-
-        def check(handle: int) -> Any:
-            return _nixl.PROC if handle == STAND_IN else real_check(handle)
-
-        agent.check = check  # type: ignore[method-assign]
+        _stand_in_never_ends(dst)
         wide = np.arange(20, 60)
 
         def call(i: int, timeout: float) -> Any:
