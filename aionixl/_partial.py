@@ -85,6 +85,7 @@ class PartPath:
         local_idx, remote_idx = parts.indices(local_ids, remote_ids)
         if self._coalescer.owing:
             await self._coalescer.pay_owed_cancel()
+            self._direct.still_usable(peer)  # it yielded: the engine may be closing, the peer gone
         started = _perf()
         posted = self._direct.post(peer, op, local_idx, remote_idx, nblocks, message, started, parts)
         if posted[1] is not DONE or posted[0] != NO_HANDLE:

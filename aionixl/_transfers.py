@@ -24,7 +24,7 @@ from typing import Any
 from ._checks import check_timeout
 from ._coalesce import Coalescer, with_room
 from ._config import EngineConfig
-from ._errors import AionixlError, TransferTimeoutError
+from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices
@@ -100,7 +100,7 @@ class Transfers:
         if not self._life.usable:
             self._life.check_open()
         if type(peer) is not Peer or peer._owner is not self._peers or not peer._connected:
-            timeout = await self._revive(peer, timeout)
+            peer, timeout = await self._revive(peer, timeout)
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
         if local_part is not None or remote_part is not None or peer._unequal:
@@ -150,6 +150,7 @@ class Transfers:
             return await self._push_read(peer, local_idx, remote_idx, nblocks, message, timeout)
         if coalescer.owing:
             await coalescer.pay_owed_cancel()
+            self._direct.still_usable(peer)  # it yielded: the engine may be closing, the peer gone
         started = _perf()
         if self._coalesce and nblocks <= self._ride_blocks and coalescer.together(peer, op, started, message):
             dest, src = (local_blocks, remote_blocks) if op == "read" else (remote_blocks, local_blocks)
@@ -177,23 +178,28 @@ class Transfers:
             return self._metrics.done_one(op, started, agent.posted, seen, seen)
         return self._metrics.done(op, nblocks, started, agent.posted, seen, seen, agent.telemetry)
 
-    async def _revive(self, peer: object, timeout: float | None) -> float | None:
+    async def _revive(self, peer: object, timeout: float | None) -> tuple[Peer, float | None]:
         """A peer not usable as it is: one evicted only to fence a cancelled read reconnects,
-        and the call goes on with it and with what the reconnect left of its deadline (the
-        timeout it returns); any other raises the error its caller should see."""
+        and the call goes on with the peer that came back (the same object, or the one the
+        peer's own connect to us admitted meanwhile: the same process either way) and with
+        what the reconnect left of its deadline; any other raises the error its caller
+        should see."""
         if type(peer) is Peer and peer._owner is self._peers and peer._revive and peer.address:
             if timeout is not None:
                 check_timeout(timeout, "timeout")
             limit = self._config.transfer_timeout if timeout is None else timeout
             started = _perf()
-            await self._reconnect(peer.address, min(limit, 30.0))
+            revived = await self._reconnect(peer.address, min(limit, 30.0))
             left = limit - (_perf() - started)
             if left <= 0:
                 raise TransferTimeoutError(f"reconnecting to peer {peer.name!r} took the whole "
                                            f"{limit} s deadline; nothing was transferred")
-            return left
-        self._peers.live(peer)
-        return timeout
+            if revived.name != peer.name:
+                raise PeerDisconnectedError(f"peer {peer.name!r} was evicted, and the engine now at "
+                                            f"{peer.address} is {revived.name!r}")
+            # Never the old object unless it was revived: its descriptor lists are released.
+            return self._peers.live(revived), left
+        return self._peers.live(peer), timeout
 
     def _one_block_indices(self, peer: Peer, local_blocks: object,
                            remote_blocks: object) -> tuple[list[int], list[int]] | None:

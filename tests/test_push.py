@@ -611,6 +611,27 @@ async def test_a_call_that_first_reconnects_a_fenced_peer_keeps_its_own_deadline
     assert zero_resources(eng)
 
 
+async def test_a_fenced_peer_that_came_back_as_another_peer_object_is_read_through_that_one() -> None:
+    """A peer evicted to fence a read is kept for reconnecting; if that engine connects to
+    us first, its handshake admits a new Peer object, and the reconnect returns that one.
+    The next call with the old object goes through the new one (the same process), exact:
+    it used to post on the old object's released descriptor list."""
+    cache_a, cache_b = numpy_cache(8, 4096, 2), numpy_cache(8, 4096, 2, seed=5)
+    async with aionixl.Engine(unique("a"), cache_a, listen="tcp://127.0.0.1:0") as a, \
+            aionixl.Engine(unique("b"), cache_b, listen="tcp://127.0.0.1:0") as b:
+        old = await a.connect(b.address, timeout=10)
+        a._peers.evict_unfenced(old, "a test's unconfirmed cancel")
+        assert not old.connected
+        await b.connect(a.address, timeout=10)  # b admitted anew on a's side, inbound
+        inbound = a.peers[b.name]
+        assert inbound is not old and inbound.connected
+        await a.transfer_blocks(old, [1, 2], [3, 4], timeout=10)
+        for r in range(2):
+            assert np.array_equal(cache_a[r][[1, 2]], cache_b[r][[3, 4]])
+        assert a.peers[b.name] is inbound and not old.connected
+    assert zero_resources(a) and zero_resources(b)
+
+
 # ---- the issue's scenario ----------------------------------------------------------------
 
 #: Region size for the scenario; the held-out check uses 512 (tests/stress/leaving_readers.py).
