@@ -3,7 +3,9 @@
 A reader says it is done with vLLM's notification ``"<request_id>:<readers>"`` (sent as
 ``notify=`` with its last read, :func:`read_done`) and keeps a lease alive with vLLM's
 heartbeat ``"HB:<id>,<id>"``; the same bytes release an aionixl lease and a vLLM prefill's
-blocks. No I/O here: the drainer hands every incoming notification to
+blocks. A read-done announcing more readers than the lease was made for raises its count,
+as a vLLM prefill counts them: a vLLM decode at a higher TP than the prefill's reads with
+each of its ranks, and each sends ``"<id>:<ranks per prefill rank>"``. No I/O here: the drainer hands every incoming notification to
 :meth:`LeaseTable.consume` first, and what a lease takes is not delivered to
 ``wait_notification``.
 
@@ -162,12 +164,13 @@ class LeaseTable:
         if not self._live:
             return False  # nothing to release: no parsing on the notification path
         rid, sep, count = message.decode("utf-8", "replace").rpartition(":")
-        if not sep or not count.isdigit():
+        if not sep or not count.isdecimal() or len(count) > 9:
             return False
         self.sweep()
         lease = self._live.get(rid)
         if lease is None:
             return False  # not ours: an application's own message, delivered as usual
+        lease.readers = max(lease.readers, int(count))  # the readers it says there are
         lease.readers_done += 1
         if lease.readers_done >= lease.readers:
             del self._live[rid]

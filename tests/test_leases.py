@@ -65,6 +65,22 @@ async def test_a_lease_for_two_readers_waits_for_both() -> None:
         assert src.metrics().leases_released == 1
 
 
+async def test_a_read_done_that_counts_more_readers_holds_the_lease_for_them_all() -> None:
+    """vLLM's decode at twice the prefill's TP reads with two ranks, each sending
+    ``"<id>:2"``: a lease made for one reader waits for both, as a vLLM prefill would."""
+    src_cache, dst_cache = caches()
+    async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
+        lease = src.lease("req-tp", [9])
+        await dst.transfer_blocks(peer, [9], [9], notify=aionixl.read_done("req-tp", 2))
+        with anyio.move_on_after(0.5):
+            await lease.wait()
+        assert (lease.readers_done, lease.readers, lease.done) == (1, 2, False), lease
+        await dst.transfer_blocks(peer, [10], [9], notify=aionixl.read_done("req-tp", 2))
+        with anyio.fail_after(10):
+            await lease.wait()
+        assert lease.done and lease.readers_done == 2 and "req-tp" not in src.leases
+
+
 async def test_a_lease_whose_reader_never_comes_expires_at_its_duration() -> None:
     src_cache, dst_cache = caches()
     async with engine_pair(src_cache, dst_cache) as (src, _dst, _peer):
