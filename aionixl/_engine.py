@@ -55,7 +55,7 @@ from ._transfers import Transfers
 from ._vllm_connect import VllmConnector
 from ._vllm_serve import VllmServer
 from ._vllm_wire import heartbeat_message
-from ._wire import FEATURES, user_message
+from ._wire import FEATURES, RESERVED, user_message
 
 log = logging.getLogger("aionixl")
 
@@ -480,7 +480,12 @@ class Engine:
         self._drainer.wake()
 
     def _relayed(self, note: Notification) -> None:
-        """A notification our vLLM serving process received: handled as the drainer's own."""
+        """A notification our vLLM serving process received: handled as the drainer's own,
+        except the engine's reserved messages. vLLM decoders send none, and they pick their
+        agent names themselves: one could pass for an admitted peer and push, cancel or say
+        goodbye in its name."""
+        if note.message.startswith(RESERVED):
+            return
         notes: list[Notification] = []
         self._drainer.sort(note.peer, note.message, notes)
         for each in notes:
@@ -502,10 +507,11 @@ class Engine:
     def poll_nixl(self) -> list[Notification]:
         """Make one NIXL progress call now, as the engine's drainer does, and return the
         notifications that arrived for callers (taken by the caller: they do not reach
-        :meth:`wait_notification`). The engine's own messages are handled as usual. For a
-        process that must keep NIXL progressing every loop turn (a busy serving target)."""
+        :meth:`wait_notification`). The engine's own messages, and the read-dones and
+        heartbeats of live leases, are handled as usual. For a process that must keep NIXL
+        progressing every loop turn (a busy serving target)."""
         self._check_open(draining_ok=True)
-        return self._drainer.poll_once()
+        return [note for note in self._drainer.poll_once() if not self._leases.consume(note)]
 
     def trace_wakeups(self, trace: list[int] | None) -> None:
         """From now on append to ``trace``, per transfer the poller saw end, the nanoseconds

@@ -211,3 +211,35 @@ async def test_concurrent_readers_release_their_leases_in_push_and_through_coale
             assert dst.metrics().merged_requests >= 1
         assert not src.leases and src.metrics().leases_released == 40
         assert same_blocks(dst_cache, src_cache, list(range(BLOCKS)))
+
+
+async def test_poll_nixl_leaves_a_live_leases_read_done_to_the_lease() -> None:
+    """``poll_nixl`` (a serving process that progresses NIXL itself) hands callers what is
+    theirs; a live lease's read-done releases the lease, as through the drainer."""
+    src_cache, dst_cache = caches()
+    async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
+        lease = src.lease("req-poll", [11])
+        await dst.transfer_blocks(peer, [11], [11], notify=aionixl.read_done("req-poll"))
+        notes: list[aionixl.Notification] = []
+        for _ in range(100_000):  # no await: the drainer does not run meanwhile
+            dst.poll_nixl()
+            notes += src.poll_nixl()
+            if lease.done or notes:
+                break
+        assert lease.done and lease.readers_done == 1, (lease, notes)
+        assert notes == []
+
+
+async def test_a_message_relayed_by_the_vllm_serving_process_cannot_speak_for_a_peer() -> None:
+    """vLLM decoders name their own agents: one whose notification the serving process
+    relays could pass for an admitted peer. The engine's reserved messages are not taken
+    from the relay: a goodbye in a peer's name does not drop it."""
+    from aionixl._notifications import Notification
+    from aionixl._wire import goodbye
+
+    src_cache, dst_cache = caches()
+    async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
+        inbound = src.peers[dst.name]
+        src._relayed(Notification(dst.name, goodbye(dst.nixl_metadata())))
+        assert inbound.connected and src.peers[dst.name] is inbound
+        await dst.transfer_blocks(peer, [1], [2], timeout=10)
