@@ -5,7 +5,9 @@ A reader says it is done with vLLM's notification ``"<request_id>:<readers>"`` (
 heartbeat ``"HB:<id>,<id>"``; the same bytes release an aionixl lease and a vLLM prefill's
 blocks. A read-done announcing more readers than the lease was made for raises its count,
 as a vLLM prefill counts them: a vLLM decode at a higher TP than the prefill's reads with
-each of its ranks, and each sends ``"<id>:<ranks per prefill rank>"``. No I/O here: the drainer hands every incoming notification to
+each of its ranks, and each sends ``"<id>:<ranks per prefill rank>"``.
+
+No I/O here: the drainer hands every incoming notification to
 :meth:`LeaseTable.consume` first, and what a lease takes is not delivered to
 ``wait_notification``.
 
