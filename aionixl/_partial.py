@@ -81,11 +81,11 @@ class PartPath:
                                     "push parts of blocks (an older aionixl)")
             return await self._push_read(peer, local_ids, remote_ids, nblocks, message, timeout,
                                          local_part, remote_part, plan)
-        parts = self._peers.part_lists(peer, local_part, remote_part)  # checks them first
-        local_idx, remote_idx = parts.indices(local_ids, remote_ids)
         if self._coalescer.owing:
             await self._coalescer.pay_owed_cancel()
             self._direct.still_usable(peer)  # it yielded: the engine may be closing, the peer gone
+        parts = self._peers.part_lists(peer, local_part, remote_part)  # checks them first
+        local_idx, remote_idx = parts.indices(local_ids, remote_ids)
         started = _perf()
         posted = self._direct.post(peer, op, local_idx, remote_idx, nblocks, message, started, parts)
         if posted[1] is not DONE or posted[0] != NO_HANDLE:

@@ -358,6 +358,9 @@ class Pusher:
         """One push request: ``dst`` are our block ids, or staging slot ids when ``rec``
         reads into staging (``rec.staged``); returns once it all landed, by ``end``."""
         peer, rid = rec.peer, rec.rid
+        # After the wait for slots: the peer may have gone meanwhile, and a request sent by
+        # name would reach whatever process now has that name.
+        self._still_on(peer)
         agent = self._local.agent
         assert agent is not None  # (an engine that closes fails its reads first: _still_on)
         left = end - anyio.current_time()

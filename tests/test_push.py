@@ -291,6 +291,49 @@ async def test_closing_wakes_a_read_waiting_for_slots() -> None:
         assert len(outcome) == 1 and isinstance(outcome[0], aionixl.EngineClosedError), outcome
 
 
+async def test_a_read_waiting_for_slots_when_its_server_restarts_fails_instead_of_reading_the_new_one(
+        ) -> None:
+    """A push read waits for staging slots; meanwhile its server closes and a new engine of
+    that name is connected. Once slots are free the read must fail: a request sent by name
+    went to the new process, which served its own blocks as the old one's."""
+    name = unique("src")
+    config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=2 * 4096)
+    old_cache, new_cache, dst_cache = numpy_cache(8, 4096, 1, seed=8), numpy_cache(8, 4096, 1, seed=9), \
+        numpy_cache(8, 4096, 1)
+    before = dst_cache[0][0].copy()
+    async with aionixl.Engine(unique("dst"), dst_cache, config=config) as dst:
+        staging = dst._local.staging
+        assert staging is not None
+        outcome: list[object] = []
+        async with aionixl.Engine(name, old_cache, listen="tcp://127.0.0.1:0", config=config) as old:
+            peer = await dst.connect(old.address, timeout=10)
+            held = await staging.acquire(2)  # every slot busy: the read waits
+            assert held is not None
+
+            async def read() -> None:
+                try:
+                    outcome.append(await dst.transfer_blocks(peer, [0], [1], timeout=30))
+                except Exception as exc:
+                    outcome.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await anyio.sleep(0.1)
+                assert not outcome
+                await old.aclose()  # its goodbye drops our peer
+                with anyio.fail_after(10):
+                    while peer.connected:
+                        await anyio.sleep(0.01)
+                async with aionixl.Engine(name, new_cache, listen="tcp://127.0.0.1:0", config=config) as new:
+                    await dst.connect(new.address, timeout=10)  # that name is another process now
+                    staging.settle(held, True, name, 0, b"")  # slots free: the read goes on
+                    with anyio.fail_after(10):
+                        while not outcome:
+                            await anyio.sleep(0.01)
+        assert len(outcome) == 1 and isinstance(outcome[0], aionixl.PeerDisconnectedError), outcome
+        assert np.array_equal(dst_cache[0][0], before)
+
+
 async def test_a_reader_without_staging_reads_directly_and_its_staged_requests_are_refused() -> None:
     src_cache = numpy_cache(8, 4096, 1, seed=6)
     dst_cache = numpy_cache(8, 4096, 1)
