@@ -113,7 +113,7 @@ class Engine:
         noisy = self._noisy = RateLimitedLog(log)
         mailbox = self._mailbox = Mailbox(config.max_pending_notifications)
         host = host_facts()
-        peers = self._peers = PeerTable(local, noisy, read_mode=config.read_mode, host=host,
+        peers = self._peers = PeerTable(local, life, noisy, read_mode=config.read_mode, host=host,
                                         on_admit=self._wake_drainer, on_drop=self._peer_dropped)
         table = self._inflight = InFlightTable(local, peers.evict, self._wake_drainer)
         metrics = self._transfer_metrics = TransferMetrics(TransferResult, local.bytes_per_block,

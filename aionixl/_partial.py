@@ -83,7 +83,7 @@ class PartPath:
                                          local_part, remote_part, plan)
         if self._coalescer.owing:
             await self._coalescer.pay_owed_cancel()
-            self._direct.still_usable(peer)  # it yielded: the engine may be closing, the peer gone
+            self._peers.still_usable(peer)  # it yielded: the engine may be closing, the peer gone
         parts = self._peers.part_lists(peer, local_part, remote_part)  # checks them first
         local_idx, remote_idx = parts.indices(local_ids, remote_ids)
         started = _perf()

@@ -22,7 +22,7 @@ from . import _protocol as proto
 from ._errors import AionixlError, PeerDisconnectedError, TransferError
 from ._hostfacts import choose_read_mode
 from ._inflight import progress_quietly
-from ._lifecycle import LocalSide
+from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import EVICTION_CAUSES, eviction_cause
 from ._nixl import metadata_agent_name
 from ._parts import BlockPart, PartLists, check_list_size, part_descriptors, plan_parts
@@ -45,9 +45,10 @@ MAX_PART_LAYOUTS = 64
 class PeerTable:
     """The live peers of one engine, by name and by address, and their NIXL state."""
 
-    def __init__(self, local: LocalSide, noisy: RateLimitedLog, *, read_mode: str,
+    def __init__(self, local: LocalSide, life: Lifecycle, noisy: RateLimitedLog, *, read_mode: str,
                  host: Mapping[str, str], on_admit: Callable[[], None], on_drop: OnDrop) -> None:
         self._local = local
+        self._life = life
         self._read_mode = read_mode  # EngineConfig.read_mode
         self._host = host  # where this engine runs (_hostfacts.host_facts)
         self.by_name: dict[str, Peer] = {}
@@ -82,6 +83,15 @@ class PeerTable:
         if not p.connected:
             raise ValueError(f"unknown peer {p.name!r}: it was disconnected")
         return p
+
+    def still_usable(self, peer: Peer) -> None:
+        """For a call that awaited since its checks (slots, an owed cancel, a round): the
+        engine not closing (a draining one finishes the calls it took) and the peer still
+        connected, since a dropped peer's descriptor lists are released and a message sent
+        by name would reach whatever process has that name now."""
+        if not self._life.usable:
+            self._life.check_open(draining_ok=True)
+        self.live(peer)
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -138,7 +148,7 @@ class PeerTable:
         peer._unequal = [r.block_bytes for r in remote] != [r.block_bytes for r in self._local.regions]
         peer._staging = RemoteSlots(slots, slot_dlist) if slots else None
         if self._local.staging is not None:  # once admitted: a refused impostor frees nothing
-            self._local.staging.admitted(name, metadata)
+            self._local.staging.admitted(name, peer._incarnation)
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer

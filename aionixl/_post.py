@@ -127,13 +127,6 @@ class DirectPath:
         self._turns = turns
         self._inline_polls = config.inline_polls
 
-    def still_usable(self, peer: Peer) -> None:
-        """For a call that awaited between its checks and its post: the engine still open
-        and the peer still connected (a dropped peer's descriptor lists are released)."""
-        if not self._life.usable:
-            self._life.check_open()
-        self._peers.live(peer)
-
     def post(self, peer: Peer, op: Op, local_idx: Indices, remote_idx: Indices, nblocks: int,
              message: bytes, started: float, parts: PartLists | None = None) -> Posted:
         """Post one request for one caller, polled a few times inline. A request that

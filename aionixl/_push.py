@@ -186,8 +186,8 @@ class _Read:
 
     def __init__(self, peer: Peer, rid: int, staged: bool = False) -> None:
         self.peer = peer
-        #: The server's agent when asked (a revived Peer object may be its successor's).
-        self.server = peer._metadata
+        #: The server's process when asked (a revived Peer object may be its successor's).
+        self.server = peer._incarnation
         self.rid = rid
         self.staged = staged  # into our staging slots, not our blocks
         self.sent = False  # the request left: the server may write
@@ -252,7 +252,6 @@ class Pusher:
         self.refused = 0  # push requests refused (stats)
         self.lost = 0  # pushes that ended with a chunk whose bytes may still land (stats)
         self.exhausted = 0  # push reads refused: every staging slot was stranded
-        self._close_error: AionixlError | None = None  # set once the engine is closing
 
     @property
     def active(self) -> bool:
@@ -294,7 +293,7 @@ class Pusher:
         staging = self._local.staging if STAGED_FEATURE in peer.features else None
         done = 0
         while done < nblocks:
-            self._still_on(peer)  # between rounds the engine may close, the peer go
+            self._peers.still_usable(peer)  # between rounds the engine may close, the peer go
             if staging is None:  # the rest in one round
                 rec = _Read(peer, next(self._ids))
                 await self._round(rec, dst[done:], src[done:], notify, end, limit, dst_part, src_part)
@@ -312,11 +311,6 @@ class Pusher:
             done += n
         nbytes = nblocks * self._local.bytes_per_block
         return TransferResult(nblocks, nbytes, time.perf_counter() - started)
-
-    def _still_on(self, peer: Peer) -> None:
-        if self._close_error is not None:
-            raise type(self._close_error)(str(self._close_error))
-        self._peers.live(peer)
 
     async def _slots(self, staging: Staging, peer: Peer, wanted: int, end: float,
                      limit: float) -> tuple[int, Ids]:
@@ -337,7 +331,7 @@ class Pusher:
                 return n, slots
             if anyio.current_time() >= end:
                 raise self._timed_out(peer, limit)
-            self._still_on(peer)  # closing; else slots were stranded meanwhile: fewer a round
+            self._peers.still_usable(peer)  # closing; else slots were stranded meanwhile: fewer a round
 
     def _incarnation(self) -> bytes:
         """Ours, as our requests and cancels carry it."""
@@ -360,9 +354,9 @@ class Pusher:
         peer, rid = rec.peer, rec.rid
         # After the wait for slots: the peer may have gone meanwhile, and a request sent by
         # name would reach whatever process now has that name.
-        self._still_on(peer)
+        self._peers.still_usable(peer)
         agent = self._local.agent
-        assert agent is not None  # (an engine that closes fails its reads first: _still_on)
+        assert agent is not None  # (an engine that closes is no longer usable: still_usable)
         left = end - anyio.current_time()
         if left <= 0:
             raise self._timed_out(peer, limit)
@@ -704,7 +698,6 @@ class Pusher:
     def fail_all(self, error: AionixlError) -> None:
         """Closing: waiting readers get ``error``; their reads stay listed for :meth:`close`."""
         self._closing = True
-        self._close_error = error
         if self._local.staging is not None:
             self._local.staging.close()
         for rec in self.reads.values():

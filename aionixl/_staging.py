@@ -56,10 +56,10 @@ class Staging:
         self._targets = [block_view(r) for r in regions]
         self._free: list[int] = list(range(self.slots - 1, -1, -1))
         #: Slots of rounds that ended unconfirmed, by (server name, request id), with the
-        #: NIXL metadata of the server's agent then.
+        #: server's process then (``_wire.incarnation``: which process of a name it is).
         self._stranded: dict[tuple[str, int], tuple[Ids, bytes]] = {}
-        #: The NIXL metadata of each server's agent as last admitted.
-        self._agents: dict[str, bytes] = {}
+        #: Each server's process as last admitted.
+        self._processes: dict[str, bytes] = {}
         self.reclaimed = 0  # slots given back by a late confirmation or a server's restart
         self.closed = False
         self._queue: deque[object] = deque()  # readers waiting for slots, in arrival order
@@ -108,16 +108,16 @@ class Staging:
         self.closed = True
         self._wake()
 
-    def settle(self, slots: Ids, confirmed: bool, server: str, rid: int, metadata: bytes) -> None:
-        """Round ``rid`` from ``server`` (whose agent's metadata is ``metadata``) ended:
-        its slots are free again if the server confirmed that nothing more of it will
-        land, else stranded until it does."""
+    def settle(self, slots: Ids, confirmed: bool, server: str, rid: int, process: bytes) -> None:
+        """Round ``rid`` from ``server`` (of process ``process`` when asked) ended: its
+        slots are free again if the server confirmed that nothing more of it will land,
+        else stranded until it does."""
         if confirmed:
             self._give_back(slots)
-        elif self._agents.get(server, metadata) != metadata:
+        elif self._processes.get(server, process) != process:
             self._reclaim(slots)  # a new process of that name was admitted meanwhile
         else:
-            self._stranded[(server, rid)] = (slots, metadata)
+            self._stranded[(server, rid)] = (slots, process)
             self._wake()  # fewer usable: a reader waiting for more than are left gives up
 
     def confirmed_late(self, server: str, rid: int) -> None:
@@ -126,14 +126,14 @@ class Staging:
         if entry is not None:
             self._reclaim(entry[0])
 
-    def admitted(self, server: str, metadata: bytes) -> None:
-        """An engine of ``server``'s name handshook with agent ``metadata``. Another agent
-        than the one a round was stranded by means a new process: the old one is gone (a
-        name is one engine at a time). What it had sent has almost always landed by then;
-        not if it was killed while its link was cut and its kernel resends the rest once
-        the link is back, after its successor handshook (a race no test has produced)."""
-        self._agents[server] = metadata
-        for key in [k for k, (_, md) in self._stranded.items() if k[0] == server and md != metadata]:
+    def admitted(self, server: str, process: bytes) -> None:
+        """An engine of ``server``'s name handshook from ``process``. Another process than
+        the one a round was stranded by means the old one is gone (a name is one engine at
+        a time). What it had sent has almost always landed by then; not if it was killed
+        while its link was cut and its kernel resends the rest once the link is back, after
+        its successor handshook (a race no test has produced)."""
+        self._processes[server] = process
+        for key in [k for k, (_, was) in self._stranded.items() if k[0] == server and was != process]:
             self._reclaim(self._stranded.pop(key)[0])
 
     def _reclaim(self, slots: Ids) -> None:

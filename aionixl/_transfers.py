@@ -150,7 +150,7 @@ class Transfers:
             return await self._push_read(peer, local_idx, remote_idx, nblocks, message, timeout)
         if coalescer.owing:
             await coalescer.pay_owed_cancel()
-            self._direct.still_usable(peer)  # it yielded: the engine may be closing, the peer gone
+            self._peers.still_usable(peer)  # it yielded: the engine may be closing, the peer gone
         started = _perf()
         if self._coalesce and nblocks <= self._ride_blocks and coalescer.together(peer, op, started, message):
             dest, src = (local_blocks, remote_blocks) if op == "read" else (remote_blocks, local_blocks)

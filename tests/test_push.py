@@ -234,7 +234,7 @@ async def test_with_every_slot_stranded_a_push_read_is_refused_until_one_comes_b
         assert staging is not None
         slots = await staging.acquire(2)
         assert slots is not None
-        staging.settle(slots, False, "gone", 7, b"md")  # as a read that ended unconfirmed
+        staging.settle(slots, False, "gone", 7, b"proc")  # as a read that ended unconfirmed
         with pytest.raises(aionixl.TransferError, match="no staging slot is usable"):
             await dst.transfer_blocks(peer, [0, 1], [5, 6], timeout=10)
         assert dst.stats()["staging_exhausted"] == 1 and dst.stats()["staging_stranded"] == 2

@@ -62,9 +62,9 @@ async def test_slots_come_back_only_when_the_server_confirmed() -> None:
     a = await staging.acquire(2)
     b = await staging.acquire(2)
     assert a is not None and b is not None and staging.free == 0
-    staging.settle(a, True, "p", 1, b"md-1")
+    staging.settle(a, True, "p", 1, b"proc-1")
     assert staging.free == 2 and staging.stranded == 0
-    staging.settle(b, False, "p", 2, b"md-1")
+    staging.settle(b, False, "p", 2, b"proc-1")
     assert staging.free == 2 and staging.stranded == 2 and staging.usable == 2
     staging.confirmed_late("q", 2)  # another server's word counts for nothing
     staging.confirmed_late("p", 3)
@@ -77,17 +77,17 @@ async def test_a_new_agent_of_the_same_name_frees_what_the_old_one_stranded() ->
     staging = Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=4 * 16)
     slots = await staging.acquire(3)
     assert slots is not None
-    staging.settle(slots[:2], False, "p", 1, b"md-1")
-    staging.settle(slots[2:], False, "q", 2, b"md-9")
-    staging.admitted("p", b"md-1")  # the same process handshaking again: it may still write
+    staging.settle(slots[:2], False, "p", 1, b"proc-1")
+    staging.settle(slots[2:], False, "q", 2, b"proc-9")
+    staging.admitted("p", b"proc-1")  # the same process handshaking again: it may still write
     assert staging.stranded == 3
-    staging.admitted("p", b"md-2")  # a new process of that name: the old one is gone
+    staging.admitted("p", b"proc-2")  # a new process of that name: the old one is gone
     assert staging.stranded == 1 and staging.free == 3 and staging.reclaimed == 2
     # A round of the old process that ends unconfirmed only now (its peer was dropped when
     # the new one was admitted) is not stranded for good.
     late = await staging.acquire(1)
     assert late is not None
-    staging.settle(late, False, "p", 3, b"md-1")
+    staging.settle(late, False, "p", 3, b"proc-1")
     assert staging.stranded == 1 and staging.free == 3 and staging.reclaimed == 3
 
 
@@ -104,15 +104,15 @@ async def test_acquire_waits_for_slots_and_gives_up_when_too_few_are_usable() ->
         tg.start_soon(want, 2)
         await anyio.sleep(0.05)
         assert got == []  # one slot free: it waits
-        staging.settle(held[:1], True, "p", 1, b"md")
+        staging.settle(held[:1], True, "p", 1, b"proc")
     assert len(got) == 1 and isinstance(got[0], np.ndarray) and got[0].size == 2
     async with anyio.create_task_group() as tg:
         tg.start_soon(want, 2)
         await anyio.sleep(0.05)
-        staging.settle(held[1:], False, "p", 2, b"md")  # stranded: 2 usable, both taken
+        staging.settle(held[1:], False, "p", 2, b"proc")  # stranded: 2 usable, both taken
         await anyio.sleep(0.05)
         assert len(got) == 1
-        staging.settle(got[0], False, "p", 3, b"md")  # type: ignore[arg-type]
+        staging.settle(got[0], False, "p", 3, b"proc")  # type: ignore[arg-type]
     assert got[1] is None and staging.usable == 0
 
 
@@ -133,13 +133,13 @@ async def test_slots_go_to_readers_in_the_order_they_asked() -> None:
         await anyio.sleep(0.02)
         tg.start_soon(want, 1)
         await anyio.sleep(0.02)
-        staging.settle(held[:1], True, "p", 1, b"md")  # one free: enough for the later reader
+        staging.settle(held[:1], True, "p", 1, b"proc")  # one free: enough for the later reader
         await anyio.sleep(0.05)
         assert order == []  # ... which waits its turn
-        staging.settle(held[1:2], True, "p", 2, b"md")  # two free: the first in line goes
+        staging.settle(held[1:2], True, "p", 2, b"proc")  # two free: the first in line goes
         await anyio.sleep(0.05)
         assert order == [2]
-        staging.settle(held[2:3], True, "p", 3, b"md")
+        staging.settle(held[2:3], True, "p", 3, b"proc")
     assert order == [2, 1] and staging.free == 0
 
 
