@@ -29,6 +29,7 @@ from ._checks import MAX_SECONDS, check_int
 from ._errors import AionixlError, EngineClosedError
 from ._notifications import Notification
 from ._vllm_wire import HEARTBEAT_PREFIX, read_notification
+from ._wire import RESERVED
 
 _clock = time.monotonic
 
@@ -126,6 +127,9 @@ class LeaseTable:
         if request_id.startswith("HB:") or "," in request_id:
             raise ValueError(f"request_id {request_id!r} must not start with 'HB:' or contain ',' "
                              "(vLLM's heartbeat would not name it)")
+        if request_id.encode("utf-8", "surrogatepass").startswith(RESERVED):
+            raise ValueError(f"request_id {request_id!r} starts with aionixl's reserved prefix: "
+                             "no reader could send its read-done")
         if request_id in self._live:
             raise ValueError(f"a lease for request {request_id!r} is already live")
         if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Iterable):

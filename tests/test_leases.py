@@ -172,6 +172,18 @@ async def test_bad_input_is_refused_before_anything_is_held() -> None:
         assert list(src.leases) == ["live"]
 
 
+async def test_a_lease_id_with_the_reserved_prefix_is_refused_since_no_read_done_could_name_it(
+        ) -> None:
+    src_cache, dst_cache = caches()
+    async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
+        rid = "\x00aionixl-job"
+        with pytest.raises(ValueError, match="reserved"):  # what its reader would have to send
+            await dst.transfer_blocks(peer, [0], [0], notify=aionixl.read_done(rid))
+        with pytest.raises(ValueError, match="reserved prefix"):
+            src.lease(rid, [0])
+        assert not src.leases
+
+
 async def test_a_message_shaped_like_read_done_without_a_lease_goes_to_wait_notification() -> None:
     src_cache, dst_cache = caches()
     async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
