@@ -333,11 +333,13 @@ class Engine:
         From the first call on, ``transfer_blocks`` and ``connect`` raise
         ``EngineClosedError`` and the listener turns new peers away ("draining"), while
         notifications keep flowing. Then it waits, at most ``timeout`` seconds, until this
-        engine's own transfers have finished, every pending ``wait_notification`` call has
-        been answered, and a notification equal to each message in ``expect`` has arrived
-        (those are consumed here): how a prefill engine waits out the decoders still
-        reading from it. Returns True when all of that happened in time, False (and logs
-        what was left) otherwise. The engine stays draining until :meth:`aclose`.
+        engine's own transfers have finished (merged requests still gathering included),
+        every pending ``wait_notification`` call has been answered, every lease has ended
+        (its readers done, or expired) and a notification equal to each message in
+        ``expect`` has arrived (those are consumed here): how a prefill engine waits out
+        the decoders still reading from it. Returns True when all of that happened in time,
+        False (and logs what was left) otherwise. The engine stays draining until
+        :meth:`aclose`.
         """
         self._check_open(draining_ok=True)
         check_timeout(timeout, "timeout")
@@ -348,12 +350,14 @@ class Engine:
         expected = [bytes(m) for m in messages]
         self._life.state = DRAINING
         self._wake_drainer()
-        inflight = self._inflight.records
-        push = self._push
+        leases = self._leases
 
         def settled() -> bool:
             expected[:] = [m for m in expected if self._mailbox.take(m, None) is None]
-            return not inflight and not push.active and not self._mailbox.waiting and not expected
+            leases.sweep()
+            return not self._inflight.records and not self._coalescer.gathering \
+                and not self._push.active and not self._mailbox.waiting and not leases.waiting \
+                and not expected
 
         with self._life.operation(), anyio.move_on_after(timeout if math.isfinite(timeout) else None):
             while not settled():
@@ -361,8 +365,9 @@ class Engine:
         if settled():
             return True
         log.warning("engine %r drain timed out after %s s: %d transfer(s) in flight, %d "
-                    "notification waiter(s), %d expected notification(s) not seen", self._name,
-                    timeout, len(inflight), self._mailbox.waiting, len(expected))
+                    "notification waiter(s), %d lease(s) live, %d expected notification(s) not "
+                    "seen", self._name, timeout, len(self._inflight.records), self._mailbox.waiting,
+                    len(leases.view), len(expected))
         return False
 
     def _open_nixl(self) -> None:

@@ -184,6 +184,46 @@ async def test_a_lease_id_with_the_reserved_prefix_is_refused_since_no_read_done
         assert not src.leases
 
 
+async def test_drain_waits_for_a_live_lease_until_its_reader_is_done() -> None:
+    """A prefill drains before it exits so that decoders are not cut off mid-read: a live
+    lease is such a decoder."""
+    src_cache, dst_cache = caches()
+    async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
+        lease = src.lease("req-drain", [2, 3])
+        drained: list[bool] = []
+
+        async def drain() -> None:
+            drained.append(await src.drain(timeout=10))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drain)
+            await anyio.sleep(0.3)
+            assert not drained and not lease.done  # its reader has not read yet
+            await dst.transfer_blocks(peer, [0, 1], [2, 3], notify=aionixl.read_done("req-drain"))
+        assert drained == [True] and lease.done and lease.readers_done == 1
+        assert all(np.array_equal(d[[0, 1]], s[[2, 3]]) for d, s in zip(dst_cache, src_cache, strict=True))
+
+
+async def test_drain_gives_up_on_a_lease_nobody_releases_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    src_cache, dst_cache = caches()
+    async with engine_pair(src_cache, dst_cache) as (src, _dst, _peer):
+        lease = src.lease("req-stuck", [2])
+        assert await src.drain(timeout=0.3) is False
+        assert "1 lease(s) live" in caplog.text and not lease.done
+
+
+async def test_drain_does_not_wait_past_a_leases_expiry() -> None:
+    src_cache, dst_cache = caches()
+    async with engine_pair(src_cache, dst_cache) as (src, _dst, _peer):
+        start = time.monotonic()
+        lease = src.lease("req-gone", [2], duration=0.3)
+        assert await src.drain(timeout=10) is True
+        assert 0.25 <= time.monotonic() - start < 3
+        with pytest.raises(aionixl.LeaseExpiredError):
+            await lease.wait()
+
+
 async def test_a_message_shaped_like_read_done_without_a_lease_goes_to_wait_notification() -> None:
     src_cache, dst_cache = caches()
     async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
