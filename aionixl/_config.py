@@ -42,8 +42,8 @@ class EngineConfig:
     transfer_timeout: float = 60.0
     #: How long ``aclose()`` may spend releasing NIXL resources before it reports leaks.
     close_timeout: float = 5.0
-    #: How long ``aclose()`` lets this engine's transfers under way finish (their callers
-    #: already got ``EngineClosedError``) before it cancels them; within ``close_timeout``.
+    #: How long ``aclose()`` lets this engine's transfers under way finish before it
+    #: cancels them (their callers then get ``EngineClosedError``); within ``close_timeout``.
     close_grace: float = 0.5
     #: Notifications kept for nobody-waiting-yet; past it the oldest one is dropped.
     max_pending_notifications: int = 4096

@@ -104,7 +104,6 @@ class Engine:
         self._bg_tg: anyio.abc.TaskGroup | None = None
         self._bg_started = False
         self._bg_done = anyio.Event()
-        self._close_done = anyio.Event()
         self._final_resources: dict[str, int] = {}
         self._leaked_on_close = 0
 
@@ -130,7 +129,7 @@ class Engine:
 
         self._deliver = deliver
 
-        self._push = Pusher(local, config, peers, table, deliver, noisy, self._wake_drainer)
+        self._push = Pusher(local, life, config, peers, table, deliver, noisy, self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers, config)
         self._vllm_server = VllmServer(local, config, noisy, self._wake_drainer, self._relayed, host)
@@ -318,10 +317,10 @@ class Engine:
         life = self._life
         if life.state == NEW:
             life.state = CLOSED
-            self._close_done.set()
+            self._life.closed.set()
             return
         if life.state in (CLOSING, CLOSED):
-            await self._close_done.wait()
+            await self._life.closed.wait()
             return
         life.state = CLOSING
         with anyio.CancelScope(shield=True):
@@ -438,25 +437,32 @@ class Engine:
                 self._mailbox.remove_waiter(waiter)
                 waiter.event.set()
             self._leases.close()
-            handles = self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
-            self._push.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
+            self._push.closing(EngineClosedError(f"engine {self._name!r} closed"))
             if self._local.agent is not None:
-                await self._release_nixl(handles, deadline)
+                await self._release_nixl(deadline)
         finally:
+            # Callers still waiting (no agent, or the release stopped early) hear now.
+            self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
+            self._push.fail_all()
             if self._local.zctx is not None:
                 self._local.zctx.destroy(linger=0)
                 self._local.zctx = None
             self._life.state = CLOSED
-            self._close_done.set()
+            self._life.closed.set()
 
-    async def _release_nixl(self, handles: list[int], deadline: float) -> None:
+    async def _release_nixl(self, deadline: float) -> None:
         """Transfer handles, goodbyes, peers, local descriptors, registrations, agent."""
         local = self._local
         agent = local.agent
         assert agent is not None
         await self._push.close(deadline)  # servers pushing into us stop first (bounded)
-        problems = await self._inflight.close(handles, deadline, self._config.close_grace)
+        problems = await self._inflight.close(deadline, self._config.close_grace)
         await self._peers.say_goodbye(deadline)
+        # Callers of transfers under way are told now and run only after the peers are
+        # dropped below (no await between): a read's bytes may land until then, since UCX
+        # does not stop a GET under way and a server that did not confirm may still push.
+        self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
+        self._push.fail_all()
         self._peers.drop_all(problems)
         if local.dlist >= 0:
             try:

@@ -89,6 +89,8 @@ class InFlightTable:
         self._wake_drainer = wake_drainer
         self.records: dict[int, InFlight] = {}
         self.parked: set[int] = set()  # handles NIXL would not release yet
+        #: Closing: the records :meth:`close` took out, until :meth:`fail_all`.
+        self._closing: dict[int, InFlight] = {}
         #: Calls the poller makes on its next turn (``defer``), while it runs (``polling``).
         self.deferred: list[Callable[[], None]] = []
         self.polling = False
@@ -245,25 +247,39 @@ class InFlightTable:
 
     # ---- close --------------------------------------------------------------------------
 
-    def fail_all(self, error: AionixlError) -> list[int]:
-        """Closing: every waiting caller gets ``error``; returns the handles to release."""
-        records, self.records = self.records, {}
+    def fail_all(self, error: AionixlError) -> None:
+        """Closing, once :meth:`close` released the handles: every caller still waiting
+        gets ``error``."""
+        records, self.records = {**self._closing, **self.records}, {}
+        self._closing = {}
         for rec in records.values():
             rec.fail(error)
-        return list(records)
 
-    async def close(self, handles: list[int], deadline_at: float, grace: float) -> list[str]:
-        """Release every transfer handle the agent still holds; returns what could not be."""
+    async def close(self, deadline_at: float, grace: float) -> list[str]:
+        """Release every transfer handle the agent still holds; returns what could not be.
+
+        The records leave the table first (the poller is stopped), so that only this
+        releases their handles; those that finish within ``close_grace`` end DONE, and
+        :meth:`fail_all` tells the callers of the rest once the peers are dropped."""
         agent = self._local.agent
         assert agent is not None
-        pending = set(handles) | self.parked | set(agent.xfers)
+        records, self.records = self.records, {}
+        self._closing = records
+        pending = set(records) | self.parked | set(agent.xfers)
         self.parked = set()
         # Let transfers under way finish first (bounded by close_grace): cancelling a UCX
         # transfer that is moving data leaves requests UCX complains about at teardown.
         grace_end = min(deadline_at, anyio.current_time() + grace)
         moving = set(pending)
         while moving and anyio.current_time() < grace_end:
-            moving = {h for h in moving if _still_moving(agent, h)}
+            still: set[int] = set()
+            for handle in moving:
+                state = _state_at_close(agent, handle)
+                if state == PROC:
+                    still.add(handle)
+                elif state == DONE and (rec := records.get(handle)) is not None:
+                    rec.finish(DONE)  # its callers get their result
+            moving = still
             if moving:
                 await anyio.sleep(0.001)
         cancelled_any = bool(moving)
@@ -298,8 +314,12 @@ async def _wait(rec: InFlight, limit: float) -> Status:
     return rec.status
 
 
-def _still_moving(agent: Agent, handle: int) -> bool:
+def _state_at_close(agent: Agent, handle: int) -> Status:
+    """A handle's state, ERR for one that failed or that the agent no longer holds (its
+    owner released it: NIXL must not be asked about it again)."""
+    if handle not in agent.xfers:
+        return ERR
     try:
-        return agent.check(handle) == PROC
+        return agent.check(handle)
     except AionixlError:
-        return False
+        return ERR

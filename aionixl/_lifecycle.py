@@ -26,12 +26,14 @@ NEW, OPEN, DRAINING, CLOSING, CLOSED = "new", "open", "draining", "closing", "cl
 class Lifecycle:
     """The engine's state, the failure that stopped it, and the calls to end on close."""
 
-    __slots__ = ("name", "usable", "_state", "_failure", "_op_scopes")
+    __slots__ = ("name", "usable", "closed", "_state", "_failure", "_op_scopes")
 
     def __init__(self, name: str) -> None:
         self.name = name
         #: Open and healthy: the transfer path's one test (kept up to date by the setters).
         self.usable = False
+        #: Set once a close ended: every peer dropped, every NIXL resource released.
+        self.closed = anyio.Event()
         self._state = NEW
         self._failure: BaseException | None = None
         self._op_scopes: set[anyio.CancelScope] = set()
@@ -67,6 +69,13 @@ class Lifecycle:
         if self.state == DRAINING:
             raise EngineClosedError(f"engine {self.name!r} is draining: it takes no new work")
         raise EngineClosedError(f"engine {self.name!r} is closed")
+
+    async def until_closed(self, limit: float) -> None:
+        """For a caller that left a read while the engine closes: wait until the close
+        dropped every peer (nothing more of the read can land then), shielded, at most
+        ``limit`` seconds."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(limit):
+            await self.closed.wait()
 
     @contextmanager
     def operation(self) -> Iterator[None]:

@@ -23,7 +23,7 @@ import anyio.lowlevel
 from ._config import EngineConfig
 from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._inflight import InFlightTable
-from ._lifecycle import DRAINING, OPEN, Lifecycle, LocalSide
+from ._lifecycle import CLOSED, CLOSING, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
 from ._nixl import DONE, NO_HANDLE, Indices, Status
 from ._parking import LoopTools, no_task
@@ -178,10 +178,13 @@ class DirectPath:
 
         It reads the first descriptor of the aborted read again (bytes that read was
         allowed to write; from ``parts``' lists for a read of block parts). Skipped for a
-        closing engine (its connections close) and a lost peer.
+        lost peer; for a closing engine, it waits until the close dropped the peers.
         """
+        if self._life.state in (CLOSING, CLOSED):
+            await self._life.until_closed(self._config.close_timeout)
+            return
         agent = self._local.agent
-        if agent is None or not peer.connected or self._life.state not in (OPEN, DRAINING):
+        if agent is None or not peer.connected:
             return
         limit = self._config.push_cancel_timeout
         ended: list[Status] = []

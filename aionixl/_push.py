@@ -76,7 +76,7 @@ from ._errors import (
     TransferTimeoutError,
 )
 from ._inflight import InFlight, InFlightTable
-from ._lifecycle import LocalSide
+from ._lifecycle import Lifecycle, LocalSide
 from ._nixl import DONE, NO_HANDLE, PROC, Indices
 from ._notifications import Notification
 from ._parts import BlockPart, PartLists
@@ -229,10 +229,11 @@ class _Job:
 class Pusher:
     """Both sides of push reads for one engine; see the module docstring."""
 
-    def __init__(self, local: LocalSide, config: EngineConfig, peers: PeerTable, table: InFlightTable,
-                 deliver: Callable[[Notification], None], noisy: RateLimitedLog,
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+                 table: InFlightTable, deliver: Callable[[Notification], None], noisy: RateLimitedLog,
                  wake_drainer: Callable[[], None]) -> None:
         self._local = local
+        self._life = life
         self._config = config
         self._peers = peers
         self._table = table
@@ -380,7 +381,9 @@ class Pusher:
             with anyio.fail_after(left if math.isfinite(left) else None):
                 await rec.event.wait()
         except BaseException as exc:
-            if rec.state == _OPEN and not self._closing:
+            if rec.state == _OPEN and self._closing:  # the close cancels it and drops the peer
+                await self._life.until_closed(self._config.close_timeout)
+            elif rec.state == _OPEN:
                 with anyio.CancelScope(shield=True):
                     await self._fence(rec)
             if not isinstance(exc, TimeoutError):
@@ -695,15 +698,23 @@ class Pusher:
             if job.peer is peer:
                 job.cancelled = True
 
-    def fail_all(self, error: AionixlError) -> None:
-        """Closing: waiting readers get ``error``; their reads stay listed for :meth:`close`."""
+    def closing(self, error: AionixlError) -> None:
+        """The engine closes: readers waiting for slots give up, and each read under way
+        will fail with ``error``. Its caller hears through :meth:`fail_all`, once
+        :meth:`close` fenced the read and its peer is removed: a server that did not
+        confirm may still write (into our blocks, where there are no staging slots)."""
         self._closing = True
         if self._local.staging is not None:
             self._local.staging.close()
         for rec in self.reads.values():
             if rec.state == _OPEN:
                 rec.error = error
-                rec.event.set()
+
+    def fail_all(self) -> None:
+        """Closing, the peers removed: every reader still waiting hears (:meth:`closing`)."""
+        for rec in self.reads.values():
+            rec.event.set()
+        self.reads.clear()
 
     async def close(self, deadline_at: float) -> None:
         """Ask every server still pushing into us to stop, and wait (bounded) until it did.
@@ -730,4 +741,3 @@ class Pusher:
                     if message.startswith((PDONE, PGONE, PERR, PLOST)):
                         self.heard(name, message)
             await anyio.sleep(0.0005)
-        self.reads.clear()

@@ -164,6 +164,182 @@ async def test_close_with_transfers_in_flight(tcp_peer: RemoteEngine) -> None:
     assert_no_resources(eng)
 
 
+async def test_a_read_that_finishes_within_the_close_grace_returns_its_result(tcp_peer: RemoteEngine) -> None:
+    """aclose() gives reads under way close_grace to finish: one that does returns its
+    result, its blocks in place. (Its caller used to get EngineClosedError at the start of
+    the close, and the read's bytes landed after that.)"""
+    child = tcp_peer
+    local = numpy_cache(8, 4 << 20, 1)
+    eng = aionixl.Engine(unique("dec"), local, listen=None, config=aionixl.EngineConfig(read_mode="get"))
+    results: list[aionixl.TransferResult] = []
+    async with eng:
+        peer = await _connected(eng, child)
+        await child.pause()
+
+        async def read() -> None:
+            results.append(await eng.transfer_blocks(peer, [5], [5], timeout=60))
+
+        async def answer_within_the_grace() -> None:
+            await anyio.sleep(0.15)  # close_grace is 0.5 s
+            await child.resume()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.sleep(0.1)
+            assert eng.live_resources()["in_flight"] == 1
+            tg.start_soon(answer_within_the_grace)
+            await eng.aclose()
+    assert len(results) == 1 and results[0].nbytes == 4 << 20
+    assert_blocks_equal(local, [5], child.seed, [5], **child.geometry)
+    assert_no_resources(eng)
+    assert child.running
+
+
+async def test_a_read_that_close_fails_is_told_only_once_its_peer_is_removed(tcp_peer: RemoteEngine) -> None:
+    """A GET the close cancels may still land its bytes (UCX does not stop a GET under way
+    when its handle is released) until the peer is removed: its caller hears only then.
+    The server stays stopped and is killed: a UCX-TCP server answering a GET whose reader
+    left aborts (why TCP reads are pushed by default)."""
+    child = tcp_peer
+    local = numpy_cache(8, 4 << 20, 1)
+    eng = aionixl.Engine(unique("dec"), local, listen=None, config=aionixl.EngineConfig(read_mode="get"))
+    heard: list[bool] = []
+    async with eng:
+        peer = await _connected(eng, child)
+        await child.pause()
+
+        async def read() -> None:
+            with pytest.raises(aionixl.EngineClosedError):
+                await eng.transfer_blocks(peer, [5], [5], timeout=60)
+            heard.append(peer.connected)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.sleep(0.1)
+            assert eng.live_resources()["in_flight"] == 1
+            await eng.aclose()
+    await child.kill()
+    assert heard == [False], "the caller heard while its read could still land"
+    assert not local[0][5].any()
+    assert_no_resources(eng)
+
+
+async def test_an_unstaged_push_read_that_close_fails_is_told_only_once_its_peer_is_removed(
+        tcp_peer: RemoteEngine) -> None:
+    """The same for a push read straight into our blocks (no staging slots, as for CUDA
+    regions): a server that does not confirm the close's cancel may still write, so the
+    caller hears only once that peer is removed. Before, it heard as the close began."""
+    child = tcp_peer
+    local = numpy_cache(8, 4 << 20, 1)
+    config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=0)
+    eng = aionixl.Engine(unique("dec"), local, listen=None, config=config)
+    heard: list[bool] = []
+    async with eng:
+        peer = await _connected(eng, child)
+        assert peer.read_mode == "push" and eng.stats()["staging_slots"] == 0
+        async with child.paused():  # it cannot confirm the cancel: the close waits it out
+            async def read() -> None:
+                with pytest.raises(aionixl.EngineClosedError):
+                    await eng.transfer_blocks(peer, [5], [5], timeout=60)
+                heard.append(peer.connected)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await anyio.sleep(0.1)
+                assert len(eng._push.reads) == 1  # asked, not answered
+                await eng.aclose()
+    assert heard == [False], "the caller heard while its peer could still write into its blocks"
+    assert not local[0][5].any()
+    assert_no_resources(eng)
+    await anyio.sleep(0.2)
+    assert child.running
+
+
+async def test_a_read_whose_deadline_passes_during_close_returns_once_its_peer_is_removed(
+        tcp_peer: RemoteEngine) -> None:
+    """A caller whose own deadline passes during the close's grace cannot be fenced (the
+    close is dropping the peers): it raises once they are dropped. Its handle is released
+    once, by its caller; the close never asks NIXL about it again (that handle is freed
+    memory in NIXL). The server stays stopped and is killed: a UCX-TCP server answering a
+    GET whose reader left aborts (why TCP reads are pushed by default)."""
+    child = tcp_peer
+    local = numpy_cache(8, 4 << 20, 1)
+    eng = aionixl.Engine(unique("dec"), local, listen=None, config=aionixl.EngineConfig(read_mode="get"))
+    heard: list[bool] = []
+    released_then_checked: list[int] = []
+    async with eng:
+        peer = await _connected(eng, child)
+        agent = eng._local.agent
+        assert agent is not None
+        check = agent.check
+
+        def check_held(handle: int) -> Any:
+            if handle not in agent.xfers:
+                released_then_checked.append(handle)
+                raise aionixl.TransferError("asked about a released handle")  # not NIXL's freed memory
+            return check(handle)
+
+        agent.check = check_held  # type: ignore[method-assign]
+        await child.pause()
+
+        async def read() -> None:
+            with pytest.raises(aionixl.TransferTimeoutError):
+                await eng.transfer_blocks(peer, [5], [5], timeout=0.35)
+            heard.append(peer.connected)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await anyio.sleep(0.1)
+            await eng.aclose()  # its grace (0.5 s) outlasts the read's deadline
+    await child.kill()
+    assert heard == [False] and not released_then_checked
+    assert not local[0][5].any()
+    assert_no_resources(eng)
+
+
+async def test_merged_readers_one_of_which_leaves_during_close_are_told_once_the_peer_is_removed(
+        aionixl_remote: RemoteEngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four reads in one merged request; one is cancelled during the close's grace. Its
+    request is aborted; none of the four callers hears before the peer is removed. (The
+    server is killed, not resumed: see the test above.)"""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    child = await aionixl_remote(seed=7, env={"UCX_TLS": "tcp"}, **geometry(8, 64 << 10, 1))
+    local = numpy_cache(8, 64 << 10, 1)
+    config = aionixl.EngineConfig(read_mode="get", coalesce_window=0.05)
+    eng = aionixl.Engine(unique("dec"), local, listen=None, config=config)
+    heard: dict[int, tuple[str, bool]] = {}
+    async with eng:
+        peer = await _connected(eng, child)
+        await child.pause()
+        scopes: dict[int, anyio.CancelScope] = {}
+
+        async def read(i: int) -> None:
+            with anyio.CancelScope() as scopes[i]:
+                try:
+                    await eng.transfer_blocks(peer, [i], [i], timeout=60)
+                except aionixl.AionixlError as exc:
+                    heard[i] = (type(exc).__name__, peer.connected)
+                    return
+            heard[i] = ("cancelled", peer.connected)
+
+        async def leave_during_close() -> None:
+            await anyio.sleep(0.2)  # the close began at 0.1 s; its grace is 0.5 s
+            scopes[1].cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(1, 5):
+                tg.start_soon(read, i)
+            await anyio.sleep(0.1)
+            assert eng.stats()["merged_requests"] >= 1, eng.stats()
+            tg.start_soon(leave_during_close)
+            await eng.aclose()
+    await child.kill()
+    assert heard[1] == ("cancelled", False), heard
+    assert {heard[i] for i in (2, 3, 4)} == {("EngineClosedError", False)}, heard
+    assert not any(local[0][i].any() for i in range(1, 5))
+    assert_no_resources(eng)
+
+
 async def test_killed_peer_is_evicted_and_a_restart_on_its_port_is_reachable(
         aionixl_remote: RemoteEngineFactory) -> None:
     """SIGKILL the peer mid-read: typed error within a second, the peer evicted with all its
