@@ -508,8 +508,8 @@ class Coalescer:
     async def _fence_failed(self, batch: Batch, entry: _Entry) -> None:
         """A merged read NIXL failed while its peer stays connected may still be writing,
         as a lone read that failed may: fence the member's blocks before it returns."""
-        if batch.op == "read" and batch.status == ERR and batch.peer._connected:
-            await self._direct.fence(batch.peer, entry[0], entry[1])
+        if batch.op == "read" and batch.status == ERR and batch.posted_at and batch.peer._connected:
+            await self._direct.fence(batch.peer, entry[0], entry[1])  # (posted_at: it reached NIXL)
 
     async def _leave(self, batch: Batch, entry: _Entry) -> bool:
         """A member gives up (timeout, cancelled) before its merged request finished.

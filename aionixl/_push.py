@@ -381,11 +381,10 @@ class Pusher:
             with anyio.fail_after(left if math.isfinite(left) else None):
                 await rec.event.wait()
         except BaseException as exc:
-            if rec.state == _OPEN and self._closing:  # the close cancels it and drops the peer
-                await self._life.until_closed(self._config.close_timeout)
-            elif rec.state == _OPEN:
+            if rec.state == _OPEN and not self._closing:
                 with anyio.CancelScope(shield=True):
                     await self._fence(rec)
+            await self._until_nothing_lands(rec)
             if not isinstance(exc, TimeoutError):
                 raise
             if rec.state != _DONE:  # (data that landed just as time ran out still counts)
@@ -394,8 +393,16 @@ class Pusher:
             if not self._closing:  # a closing engine fences what is left in close()
                 self.reads.pop(rid, None)
         if rec.state != _DONE:
+            await self._until_nothing_lands(rec)
             error = rec.error or TransferError(f"push read from {peer.name!r} ended without data")
             raise type(error)(str(error)) from error.__cause__
+
+    async def _until_nothing_lands(self, rec: _Read) -> None:
+        """A read into our blocks that its server has not confirmed stopped, in a closing
+        engine: its bytes may land until the close drops the peer, so wait for that (a
+        read into staging slots lands nothing of the caller's)."""
+        if self._closing and not rec.confirmed and not rec.staged:
+            await self._life.until_closed(self._config.close_timeout)
 
     async def _fence(self, rec: _Read) -> None:
         """The caller left early: make sure no more of this read lands, or evict the peer."""

@@ -255,6 +255,36 @@ async def test_an_unstaged_push_read_that_close_fails_is_told_only_once_its_peer
     assert child.running
 
 
+async def test_an_unstaged_push_read_fencing_its_timeout_when_close_begins_returns_once_its_peer_is_removed(
+        tcp_peer: RemoteEngine) -> None:
+    """A push read into our blocks times out and asks its (stopped) server to confirm it
+    stopped; the engine starts closing meanwhile, so no eviction follows the unanswered
+    cancel. The caller returns only once the close removed the peer."""
+    child = tcp_peer
+    local = numpy_cache(8, 4 << 20, 1)
+    config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=0)
+    eng = aionixl.Engine(unique("dec"), local, listen=None, config=config)
+    heard: list[bool] = []
+    async with eng:
+        peer = await _connected(eng, child)
+        async with child.paused():
+            async def read() -> None:
+                with pytest.raises(aionixl.TransferTimeoutError):
+                    await eng.transfer_blocks(peer, [5], [5], timeout=0.3)
+                heard.append(peer.connected)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                await anyio.sleep(0.45)  # it timed out at 0.3 s; its fence waits up to 0.5 s
+                assert not heard
+                await eng.aclose()
+    assert heard == [False], "the caller returned while its server could still write"
+    assert not local[0][5].any()
+    assert_no_resources(eng)
+    await anyio.sleep(0.2)
+    assert child.running
+
+
 async def test_a_read_whose_deadline_passes_during_close_returns_once_its_peer_is_removed(
         tcp_peer: RemoteEngine) -> None:
     """A caller whose own deadline passes during the close's grace cannot be fenced (the
