@@ -808,7 +808,8 @@ async def test_drain_waits_for_the_expected_read_notification() -> None:
 async def test_drain_waits_for_calls_still_gathering_into_a_merged_request() -> None:
     """Calls that joined a merged request not posted yet are this engine's transfers too:
     drain returns True only once every one of them has finished, exact. (A request gathers
-    for one pass of the loop: rounds of four calls go until a drain starts inside one.)"""
+    for one pass of the loop: rounds of four calls go until a drain starts while every
+    call not finished is gathering.)"""
     src_cache, dst_cache = numpy_cache(seed=2), numpy_cache()
     async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
         at_drain_end: list[Any] = []
@@ -822,8 +823,9 @@ async def test_drain_waits_for_calls_still_gathering_into_a_merged_request() -> 
 
             async def drainer(finished: list[int] = finished) -> None:
                 while len(finished) < 4:
-                    if dst._coalescer.gathering:
-                        assert not dst._inflight.records
+                    gathering = [b for batches in dst._coalescer.gathering.values() for b in batches]
+                    if gathering and len(finished) + sum(b.live for b in gathering) == 4:
+                        assert not dst._inflight.records  # every call not finished is gathering
                         drained = await dst.drain(timeout=10)
                         at_drain_end.append((drained, sorted(finished)))
                         return
