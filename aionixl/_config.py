@@ -47,6 +47,9 @@ class EngineConfig:
     close_grace: float = 0.5
     #: Notifications kept for nobody-waiting-yet; past it the oldest one is dropped.
     max_pending_notifications: int = 4096
+    #: The bytes their messages may hold together, so that a peer sending large ones cannot
+    #: grow memory past it; past it the oldest are dropped (the newest is always kept).
+    max_pending_notification_bytes: int = 64 << 20
     #: A secret shared by the engines that may connect to each other. When set, every
     #: handshake message carries an HMAC-SHA256 tag of it and messages without the right
     #: tag are refused before anything in them reaches NIXL. Set it wherever untrusted
@@ -136,6 +139,7 @@ class EngineConfig:
             raise ValueError("close_timeout must be finite: aclose() is always bounded")
         counts: dict[str, int] = {
             "max_pending_notifications": self.max_pending_notifications,
+            "max_pending_notification_bytes": self.max_pending_notification_bytes,
             "max_handshake_bytes": self.max_handshake_bytes,
             "coalesce_max_blocks": self.coalesce_max_blocks,
             "coalesce_max_call_bytes": self.coalesce_max_call_bytes,

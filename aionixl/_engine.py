@@ -110,7 +110,8 @@ class Engine:
         # The components, bottom up, each given what it needs (see docs/architecture.md).
         #: Warnings that peers can trigger at will (bad handshakes, failures) go through here.
         noisy = self._noisy = RateLimitedLog(log)
-        mailbox = self._mailbox = Mailbox(config.max_pending_notifications)
+        mailbox = self._mailbox = Mailbox(config.max_pending_notifications,
+                                          config.max_pending_notification_bytes)
         host = host_facts()
         peers = self._peers = PeerTable(local, life, noisy, read_mode=config.read_mode, host=host,
                                         on_admit=self._wake_drainer, on_drop=self._peer_dropped)

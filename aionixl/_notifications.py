@@ -1,8 +1,9 @@
 """Matching incoming notifications with the tasks waiting for them. No I/O here.
 
 A notification goes to the oldest waiter whose message (and peer, if it named one)
-matches; with no such waiter it is kept. At most ``limit`` are kept: past that the oldest
-kept notification is dropped, counted in ``dropped`` and logged, so a peer that notifies
+matches; with no such waiter it is kept. At most ``limit`` are kept, holding at most
+``byte_limit`` bytes of messages (or one message, however large): past that the oldest
+kept notifications are dropped, counted in ``dropped`` and logged, so a peer that notifies
 nobody-in-particular cannot grow memory without bound.
 """
 
@@ -36,8 +37,10 @@ class Waiter:
 
 
 class Mailbox:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, byte_limit: int) -> None:
         self._limit = limit
+        self._byte_limit = byte_limit
+        self._kept_bytes = 0
         self._seq = itertools.count()
         self._kept: OrderedDict[int, Notification] = OrderedDict()
         self._kept_by_message: dict[bytes, deque[int]] = {}
@@ -78,6 +81,7 @@ class Mailbox:
                 if not seqs:
                     del self._kept_by_message[message]
                 del self._kept[seq]
+                self._kept_bytes -= len(note.message)
                 return note
         return None
 
@@ -112,18 +116,21 @@ class Mailbox:
         return False
 
     def _keep(self, note: Notification, *, oldest: bool) -> None:
-        if len(self._kept) >= self._limit:
+        size = len(note.message)
+        while self._kept and (len(self._kept) >= self._limit or self._kept_bytes + size > self._byte_limit):
             gone_seq, gone = self._kept.popitem(last=False)
             gone_seqs = self._kept_by_message[gone.message]
             gone_seqs.remove(gone_seq)
             if not gone_seqs:
                 del self._kept_by_message[gone.message]
+            self._kept_bytes -= len(gone.message)
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning("notification buffer full (%d): dropped the oldest, %d so far",
-                            self._limit, self.dropped)
+                log.warning("notification buffer full (%d messages, %d bytes): dropped the oldest, "
+                            "%d so far", self._limit, self._byte_limit, self.dropped)
         seq = next(self._seq)
         self._kept[seq] = note
+        self._kept_bytes += size
         seqs = self._kept_by_message.setdefault(note.message, deque())
         if oldest:
             self._kept.move_to_end(seq, last=False)

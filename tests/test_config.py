@@ -11,6 +11,7 @@ import aionixl
 @pytest.mark.parametrize("kwargs", [
     {"transfer_timeout": 0}, {"transfer_timeout": -1}, {"close_timeout": math.inf},
     {"idle_poll_interval": math.nan}, {"max_pending_notifications": 0},
+    {"max_pending_notification_bytes": 0}, {"max_pending_notification_bytes": 1.5},
     {"max_handshake_bytes": True}, {"inline_polls": -1}, {"backends": ()},
     {"compat": {"a": 1}}, {"connect_retries": -1}, {"connect_retries": True},
     {"connect_backoff": 0}, {"connect_attempt_timeout": -2}, {"close_grace": math.nan},

@@ -225,6 +225,33 @@ async def test_pending_notifications_are_bounded_oldest_dropped() -> None:
                 await listener.wait_notification(b"m%d" % i, timeout=0.05)
 
 
+async def test_pending_notifications_are_bounded_in_bytes_too_oldest_dropped() -> None:
+    """A peer sending large messages nobody waits for cannot grow memory past
+    max_pending_notification_bytes; the newest is kept even when it alone is larger."""
+    cfg = aionixl.EngineConfig(max_pending_notification_bytes=1000)
+    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1), cfg) as (listener, eng, peer):
+        big = [bytes([i]) * 400 for i in range(4)]
+        for message in big:
+            await eng.send_notification(peer, message)
+        with anyio.fail_after(10):
+            while listener.stats()["notifications_dropped"] < 2:
+                await anyio.sleep(0.005)
+        assert listener.stats()["notifications_kept"] == 2  # 800 bytes: a third would pass 1000
+        assert listener._mailbox._kept_bytes == 800
+        for message in big[2:]:
+            assert (await listener.wait_notification(message, timeout=1)).message == message
+        with pytest.raises(TimeoutError):
+            await listener.wait_notification(big[0], timeout=0.05)
+        await eng.send_notification(peer, b"s")
+        await eng.send_notification(peer, b"h" * 5000)  # larger than the cap: kept, alone
+        with anyio.fail_after(10):
+            while listener.stats()["notifications_dropped"] < 3:
+                await anyio.sleep(0.005)
+        assert listener.stats()["notifications_kept"] == 1 and listener._mailbox._kept_bytes == 5000
+        assert (await listener.wait_notification(b"h" * 5000, timeout=1)).message == b"h" * 5000
+        assert listener._mailbox._kept_bytes == 0
+
+
 async def test_cancelled_waiter_does_not_swallow_a_notification() -> None:
     async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1)) as (listener, eng, peer):
         with anyio.move_on_after(0.05):

@@ -6,7 +6,7 @@ from aionixl._notifications import Mailbox, Notification
 
 
 def test_oldest_matching_waiter_gets_it() -> None:
-    box = Mailbox(10)
+    box = Mailbox(10, 1 << 20)
     first, second = box.add_waiter(b"m", None), box.add_waiter(b"m", None)
     box.deliver(Notification("p", b"m"))
     assert first.event.is_set() and first.result == Notification("p", b"m")
@@ -14,7 +14,7 @@ def test_oldest_matching_waiter_gets_it() -> None:
 
 
 def test_peer_filter() -> None:
-    box = Mailbox(10)
+    box = Mailbox(10, 1 << 20)
     only_q = box.add_waiter(b"m", "q")
     box.deliver(Notification("p", b"m"))
     assert not only_q.event.is_set() and box.kept == 1
@@ -24,7 +24,7 @@ def test_peer_filter() -> None:
 
 
 def test_bound_drops_oldest_and_counts() -> None:
-    box = Mailbox(2)
+    box = Mailbox(2, 1 << 20)
     for i in range(4):
         box.deliver(Notification("p", b"%d" % i))
     assert box.kept == 2 and box.dropped == 2
@@ -33,7 +33,7 @@ def test_bound_drops_oldest_and_counts() -> None:
 
 
 def test_redelivered_goes_to_the_next_waiter_or_to_the_front() -> None:
-    box = Mailbox(2)
+    box = Mailbox(2, 1 << 20)
     note = Notification("p", b"m")
     box.redeliver(note)
     box.deliver(Notification("p", b"other"))
@@ -45,7 +45,7 @@ def test_redelivered_goes_to_the_next_waiter_or_to_the_front() -> None:
 
 
 def test_removed_waiter_gets_nothing() -> None:
-    box = Mailbox(4)
+    box = Mailbox(4, 1 << 20)
     waiter = box.add_waiter(b"m", None)
     box.remove_waiter(waiter)
     box.deliver(Notification("p", b"m"))
