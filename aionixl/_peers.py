@@ -29,7 +29,7 @@ from ._parts import BlockPart, PartLists, check_list_size, part_descriptors, pla
 from ._peer import Peer, RemoteSlots
 from ._ratelimit import RateLimitedLog
 from ._regions import block_descriptors
-from ._wire import FEATURES, GOODBYE, PROBE, goodbye
+from ._wire import FEATURES, GOODBYE, PROBE, goodbye, incarnation
 
 log = logging.getLogger("aionixl")
 
@@ -140,7 +140,7 @@ class PeerTable:
             _attempt(agent.remove_remote, name, [])
             raise
         old = self.revivable.pop(address, None) if address is not None else None
-        if old is not None and old.name == name:
+        if old is not None and old.name == name and old._incarnation == incarnation(metadata):
             old.__init__(self, name, address, remote, dlist, metadata, known, host, mode)  # type: ignore[misc]
             peer = old
         else:

@@ -181,9 +181,9 @@ class Transfers:
     async def _revive(self, peer: object, timeout: float | None) -> tuple[Peer, float | None]:
         """A peer not usable as it is: one evicted only to fence a cancelled read reconnects,
         and the call goes on with the peer that came back (the same object, or the one the
-        peer's own connect to us admitted meanwhile: the same process either way) and with
-        what the reconnect left of its deadline; any other raises the error its caller
-        should see."""
+        peer's own connect to us admitted meanwhile) and with what the reconnect left of its
+        deadline, if it is the same process; any other raises the error its caller should
+        see."""
         if type(peer) is Peer and peer._owner is self._peers and peer._revive and peer.address:
             if timeout is not None:
                 check_timeout(timeout, "timeout")
@@ -194,9 +194,12 @@ class Transfers:
             if left <= 0:
                 raise TransferTimeoutError(f"reconnecting to peer {peer.name!r} took the whole "
                                            f"{limit} s deadline; nothing was transferred")
-            if revived.name != peer.name:
+            if revived.name != peer.name or revived._incarnation != peer._incarnation:
+                peer._revive = False  # its process is gone: later calls fail at once
+                what = "another process of that engine (it restarted)" if revived.name == peer.name \
+                    else repr(revived.name)
                 raise PeerDisconnectedError(f"peer {peer.name!r} was evicted, and the engine now at "
-                                            f"{peer.address} is {revived.name!r}")
+                                            f"{peer.address} is {what}; connect() to it again")
             # Never the old object unless it was revived: its descriptor lists are released.
             return self._peers.live(revived), left
         return self._peers.live(peer), timeout

@@ -675,6 +675,34 @@ async def test_a_fenced_peer_that_came_back_as_another_peer_object_is_read_throu
     assert zero_resources(a) and zero_resources(b)
 
 
+async def test_a_fenced_peer_whose_engine_restarted_meanwhile_is_not_read_from() -> None:
+    """A peer evicted to fence a read reconnects on its next use only if the same process
+    answers at its address: a restarted engine of that name has other blocks (a KV cache
+    that started over), so the old Peer's calls raise PeerDisconnectedError and its
+    blocks are never read as the old process's."""
+    cache_a = numpy_cache(8, 4096, 2)
+    async with aionixl.Engine(unique("a"), cache_a, listen="tcp://127.0.0.1:0") as a:
+        name = unique("b")
+        async with aionixl.Engine(name, numpy_cache(8, 4096, 2, seed=5),
+                                  listen="tcp://127.0.0.1:0") as b:
+            assert b.address is not None
+            address = b.address
+            old = await a.connect(address, timeout=10)
+            a._peers.evict_unfenced(old, "a test's unconfirmed cancel")
+        cache_again = numpy_cache(8, 4096, 2, seed=9)
+        async with aionixl.Engine(name, cache_again, listen=address):
+            with pytest.raises(aionixl.PeerDisconnectedError, match="restarted"):
+                await a.transfer_blocks(old, [1], [3], timeout=10)
+            with pytest.raises(aionixl.PeerDisconnectedError):  # and again, without reconnecting
+                await a.transfer_blocks(old, [1], [3], timeout=10)
+            assert not cache_a[0][1].any() and not old.connected
+            new = await a.connect(address, timeout=10)  # connecting anew is how to use it
+            assert new is not old
+            await a.transfer_blocks(new, [1], [3], timeout=10)
+            assert all(np.array_equal(cache_a[r][1], cache_again[r][3]) for r in range(2))
+    assert zero_resources(a)
+
+
 # ---- the issue's scenario ----------------------------------------------------------------
 
 #: Region size for the scenario; the held-out check uses 512 (tests/stress/leaving_readers.py).
