@@ -192,7 +192,7 @@ class Engine:
         if agent is None:
             return dict(self._final_resources)
         counts = agent.live()
-        counts["in_flight"] = len(self._inflight.records) + len(self._push.reads)
+        counts["in_flight"] = self._inflight.held + len(self._push.reads)
         counts["parked_handles"] = len(self._inflight.parked)
         return counts
 

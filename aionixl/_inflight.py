@@ -173,12 +173,20 @@ class InFlightTable:
     def busy_with(self, peer: Peer) -> bool:
         return any(rec.peer is peer for rec in self.records.values())
 
-    def callers(self) -> int:
-        """Callers waiting on posted requests (a merged request counts its members).
+    @property
+    def held(self) -> int:
+        """Posted requests not yet ended for their callers: the table's, and during a close
+        those the close took over."""
+        return len(self.records) + len(self._closing)
 
-        Safe from any thread (``Engine.metrics``): it counts over a copy of the table,
-        taken in one step, never over the dict the event loop changes."""
-        return sum(rec.callers for rec in list(self.records.values()) if rec.status == PROC)
+    def callers(self) -> int:
+        """Callers waiting on posted requests (a merged request counts its members), those
+        a close took over included.
+
+        Safe from any thread (``Engine.metrics``): it counts over copies of the tables,
+        each taken in one step, never over a dict the event loop changes."""
+        records = [*list(self.records.values()), *list(self._closing.values())]
+        return sum(rec.callers for rec in records if rec.status == PROC)
 
     def fail_peer(self, peer: Peer, error: AionixlError) -> None:
         """The peer is gone: its transfers fail with ``error``, their handles released."""

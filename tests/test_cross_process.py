@@ -213,12 +213,19 @@ async def test_a_read_that_close_fails_is_told_only_once_its_peer_is_removed(tcp
                 await eng.transfer_blocks(peer, [5], [5], timeout=60)
             heard.append(peer.connected)
 
+        async def look_during_the_grace() -> None:
+            await anyio.sleep(0.3)  # the close began at 0.1 s; its grace is 0.5 s
+            during.append((eng.metrics().in_flight, eng.live_resources()["in_flight"]))
+
+        during: list[tuple[int, int]] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(read)
             await anyio.sleep(0.1)
             assert eng.live_resources()["in_flight"] == 1
+            tg.start_soon(look_during_the_grace)
             await eng.aclose()
     await child.kill()
+    assert during == [(1, 1)], "the gauges lost the read the close took over"
     assert heard == [False], "the caller heard while its read could still land"
     assert not local[0][5].any()
     assert_no_resources(eng)
