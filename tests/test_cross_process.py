@@ -231,11 +231,18 @@ async def test_a_read_that_close_fails_is_told_only_once_its_peer_is_removed(tcp
     assert_no_resources(eng)
 
 
-async def test_an_unstaged_push_read_that_close_fails_is_told_only_once_its_peer_is_removed(
-        tcp_peer: RemoteEngine) -> None:
-    """The same for a push read straight into our blocks (no staging slots, as for CUDA
-    regions): a server that does not confirm the close's cancel may still write, so the
-    caller hears only once that peer is removed. Before, it heard as the close began."""
+@pytest.mark.parametrize(("timeout", "close_at", "error"), [
+    (60, 0.1, aionixl.EngineClosedError),  # the close fails it
+    (0.3, 0.45, aionixl.TransferTimeoutError),  # it timed out and is fencing when the close begins
+], ids=["failed-by-close", "fencing-when-close-begins"])
+async def test_an_unstaged_push_read_ended_around_a_close_returns_once_its_peer_is_removed(
+        tcp_peer: RemoteEngine, timeout: float, close_at: float, error: type[Exception]) -> None:
+    """A push read straight into our blocks (no staging slots, as for CUDA regions) from a
+    stopped server, which cannot confirm the close's cancel and may still write: the caller
+    returns only once the close removed the peer, whether the close failed the read or the
+    read had timed out and was waiting (up to 0.5 s) for the server to confirm it stopped,
+    with no eviction to follow once the close began. Before, it returned with the peer
+    still connected."""
     child = tcp_peer
     local = numpy_cache(8, 4 << 20, 1)
     config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=0)
@@ -244,48 +251,18 @@ async def test_an_unstaged_push_read_that_close_fails_is_told_only_once_its_peer
     async with eng:
         peer = await _connected(eng, child)
         assert peer.read_mode == "push" and eng.stats()["staging_slots"] == 0
-        async with child.paused():  # it cannot confirm the cancel: the close waits it out
-            async def read() -> None:
-                with pytest.raises(aionixl.EngineClosedError):
-                    await eng.transfer_blocks(peer, [5], [5], timeout=60)
-                heard.append(peer.connected)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(read)
-                await anyio.sleep(0.1)
-                assert len(eng._push.reads) == 1  # asked, not answered
-                await eng.aclose()
-    assert heard == [False], "the caller heard while its peer could still write into its blocks"
-    assert not local[0][5].any()
-    assert_no_resources(eng)
-    await anyio.sleep(0.2)
-    assert child.running
-
-
-async def test_an_unstaged_push_read_fencing_its_timeout_when_close_begins_returns_once_its_peer_is_removed(
-        tcp_peer: RemoteEngine) -> None:
-    """A push read into our blocks times out and asks its (stopped) server to confirm it
-    stopped; the engine starts closing meanwhile, so no eviction follows the unanswered
-    cancel. The caller returns only once the close removed the peer."""
-    child = tcp_peer
-    local = numpy_cache(8, 4 << 20, 1)
-    config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=0)
-    eng = aionixl.Engine(unique("dec"), local, listen=None, config=config)
-    heard: list[bool] = []
-    async with eng:
-        peer = await _connected(eng, child)
         async with child.paused():
             async def read() -> None:
-                with pytest.raises(aionixl.TransferTimeoutError):
-                    await eng.transfer_blocks(peer, [5], [5], timeout=0.3)
+                with pytest.raises(error):
+                    await eng.transfer_blocks(peer, [5], [5], timeout=timeout)
                 heard.append(peer.connected)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read)
-                await anyio.sleep(0.45)  # it timed out at 0.3 s; its fence waits up to 0.5 s
-                assert not heard
+                await anyio.sleep(close_at)
+                assert not heard and len(eng._push.reads) == 1  # asked, not answered
                 await eng.aclose()
-    assert heard == [False], "the caller returned while its server could still write"
+    assert heard == [False], "the caller returned while its server could still write into its blocks"
     assert not local[0][5].any()
     assert_no_resources(eng)
     await anyio.sleep(0.2)
