@@ -442,9 +442,7 @@ class Engine:
             if self._local.agent is not None:
                 await self._release_nixl(deadline)
         finally:
-            # Callers still waiting (no agent, or the release stopped early) hear now.
-            self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
-            self._push.fail_all()
+            self._tell_callers_closed()  # any still waiting (no agent, or the release stopped early)
             if self._local.zctx is not None:
                 self._local.zctx.destroy(linger=0)
                 self._local.zctx = None
@@ -462,8 +460,7 @@ class Engine:
         # Callers of transfers under way are told now and run only after the peers are
         # dropped below (no await between): a read's bytes may land until then, since UCX
         # does not stop a GET under way and a server that did not confirm may still push.
-        self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
-        self._push.fail_all()
+        self._tell_callers_closed()
         self._peers.drop_all(problems)
         if local.dlist >= 0:
             try:
@@ -484,6 +481,12 @@ class Engine:
         local.agent = None
         if not agent.destroy():
             self._leaked_on_close += 1  # the agent outlived the close (logged by destroy)
+
+    def _tell_callers_closed(self) -> None:
+        """Closing: the callers of transfers under way get ``EngineClosedError`` (those of
+        push reads, the one ``Pusher.closing`` gave them); a second call finds none."""
+        self._inflight.fail_all(EngineClosedError(f"engine {self._name!r} closed"))
+        self._push.fail_all()
 
     def _check_open(self, *, draining_ok: bool = False) -> None:
         self._life.check_open(draining_ok=draining_ok)

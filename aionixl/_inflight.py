@@ -185,7 +185,7 @@ class InFlightTable:
 
         Safe from any thread (``Engine.metrics``): it counts over copies of the tables,
         each taken in one step, never over a dict the event loop changes."""
-        records = [*list(self.records.values()), *list(self._closing.values())]
+        records = [*self.records.values(), *self._closing.values()]
         return sum(rec.callers for rec in records if rec.status == PROC)
 
     def fail_peer(self, peer: Peer, error: AionixlError) -> None:
