@@ -121,7 +121,7 @@ def children() -> Iterator[list[Child]]:
 def start_pair(hosts: TwoHosts, children: list[Child], backend: str) -> tuple[Child, Child, str]:
     prefill_host, decode_host = hosts.a, hosts.b
     prefill = Child(prefill_host, "prefill", unique("prefill"), backend=backend,
-                    listen=f"tcp://{prefill_host.addr}:0")
+                    listen=prefill_host.listen_address())
     decode = Child(decode_host, "decode", unique("decode"), backend=backend)
     children += [prefill, decode]
     address = prefill.wait_ready()["address"]
@@ -233,6 +233,26 @@ def test_prefill_restart_at_the_same_address(hosts: TwoHosts,
     assert_closed_fast(reborn)
 
 
+def test_listen_addresses_a_host_gives_are_its_own_and_outside_its_ephemeral_ports(
+        hosts: TwoHosts) -> None:
+    """An engine restarted on the address of one that was killed must find it free: a port
+    from the namespace's ephemeral range could be held by then by any socket bound to port 0
+    there (a UCX listener, a connection's own end)."""
+    host = hosts.a
+    low, high = map(int, subprocess.run(
+        host.command(["cat", "/proc/sys/net/ipv4/ip_local_port_range"]),
+        capture_output=True, text=True, check=True).stdout.split())
+    addresses = [host.listen_address() for _ in range(3)]
+    assert all(a.startswith(f"tcp://{host.addr}:") for a in addresses), addresses
+    ports = [int(a.rsplit(":", 1)[1]) for a in addresses]
+    assert len(set(ports)) == 3, ports
+    assert not any(low <= port <= high for port in ports), (ports, low, high)
+    bind = ("import socket, sys\n"
+            "for port in sys.argv[1:]:\n"
+            f"    socket.socket().bind(('{host.addr}', int(port)))\n")
+    subprocess.run(host.command([sys.executable, "-c", bind, *map(str, ports)]), check=True, timeout=30)
+
+
 def slow_link(host: Host, rate: str = "40mbit") -> None:
     """Limit what ``host`` sends over its veth device (so a chunk is still moving when the
     link goes down)."""
@@ -250,9 +270,9 @@ def test_a_server_that_dropped_a_reader_mid_chunk_never_says_the_read_is_over(
     under the late bytes, and needs no eviction to do so; the slots left serve reads."""
     prefill_host, decode_host = hosts.a, hosts.b
     prefill = Child(prefill_host, "prefill", unique("prefill"), backend="asyncio",
-                    listen=f"tcp://{prefill_host.addr}:0")
+                    listen=prefill_host.listen_address())
     decode = Child(decode_host, "decode", unique("decode"), backend="trio",
-                   listen=f"tcp://{decode_host.addr}:0")
+                   listen=decode_host.listen_address())
     children += [prefill, decode]
     address = prefill.wait_ready()["address"]
     decode_address = decode.wait_ready()["address"]

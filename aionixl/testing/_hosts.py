@@ -14,8 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, Self
 
@@ -90,6 +90,12 @@ def _kill_and_reap(procs: list[subprocess.Popen[Any]]) -> None:
     procs.clear()
 
 
+#: The first port :meth:`Host.listen_address` hands out. Below a namespace's ephemeral range
+#: (32768-60999 unless changed), so no socket bound to port 0 in that namespace (a UCX
+#: listener, a connection's own end) can take it while a killed engine restarts there.
+_FIRST_LISTEN_PORT = 20000
+
+
 @dataclass(frozen=True)
 class Host:
     """One end of :class:`TwoHosts`: a namespace, its veth device and its IPv4 address."""
@@ -97,6 +103,16 @@ class Host:
     ns: str
     dev: str
     addr: str
+    _ports: Iterator[int] = field(default_factory=lambda: itertools.count(_FIRST_LISTEN_PORT),
+                                  init=False, repr=False, compare=False)
+
+    def listen_address(self) -> str:
+        """A ``tcp://`` address on this host that no engine started here was given before.
+
+        Its port is outside the ephemeral range: an engine restarted on the address of one
+        that was killed finds it free (a port 0 listen would be taken from that range, and
+        any socket of the other engines there could hold it by then)."""
+        return f"tcp://{self.addr}:{next(self._ports)}"
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this namespace."""
@@ -175,7 +191,8 @@ class TwoHosts:
         """A :class:`RemoteEngine` (same arguments) run inside ``host``'s namespace, listening
         on its address, with UCX on TCP over its veth device."""
         where = self.host(host)
-        kwargs.setdefault("listen", f"tcp://{where.addr}:0")
+        if "listen" not in kwargs:
+            kwargs["listen"] = where.listen_address()
         kwargs["env"] = {**where.ucx_env(), **kwargs.get("env", {})}
         return RemoteEngine(name, command_prefix=where.command([]), **kwargs)
 
@@ -290,7 +307,8 @@ class FleetHosts:
         on TCP over its link, registered in this fleet's etcd under ``prefix`` (unless
         ``discovery=`` says otherwise). Killed on exit if still running."""
         where = self.host(host)
-        kwargs.setdefault("listen", f"tcp://{where.addr}:0")
+        if "listen" not in kwargs:
+            kwargs["listen"] = where.listen_address()
         kwargs["env"] = {**where.ucx_env(), **kwargs.get("env", {})}
         if "discovery" not in kwargs and self.etcd is not None:
             kwargs["discovery"] = self.discovery(prefix, ttl)
