@@ -265,6 +265,23 @@ async def test_a_child_that_dies_on_its_own_is_reported_with_status_and_stderr()
     assert gone(remote.pid)
 
 
+#: A child that never gets as far as its engine (it sleeps, whatever it is asked to run).
+NEVER_READY = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+@pytest.mark.anyio
+async def test_a_start_cancelled_before_the_child_is_ready_kills_it_without_a_graceful_wait() -> None:
+    remote = RemoteEngine(seed=1, num_blocks=2, command_prefix=NEVER_READY)
+    started = anyio.current_time()
+    with anyio.move_on_after(0.5):
+        await remote.start()
+    took = anyio.current_time() - started
+    assert remote.returncode is not None, "the child still runs after the cancelled start"
+    # A graceful stop would have waited for the child's report on its close (15 s).
+    assert took < 5.0, f"the cancelled start took {took:.1f} s"
+    await remote.aclose()
+
+
 @pytest.mark.anyio
 async def test_a_child_that_cannot_start_is_reported() -> None:
     with pytest.raises(RemoteEngineError, match="ListenError") as info:

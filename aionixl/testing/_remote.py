@@ -431,8 +431,10 @@ class RemoteEngine:
             with anyio.move_on_after(_START_TIMEOUT):
                 ready = await self._next_message()
         except BaseException:
+            # Cancelled (or the reply unreadable) before the child was ready: it may still be
+            # importing, and a graceful stop would wait for its engine to start and close.
             with anyio.CancelScope(shield=True):
-                await self._stop()
+                await self._stop(graceful=False)
             raise
         if ready is None or ready.event != "ready":
             with anyio.CancelScope(shield=True):
