@@ -411,3 +411,16 @@ def test_a_spec_that_cannot_work_is_refused() -> None:
         specs(["a", "b"], Path("/tmp"), num_blocks=SOURCE + 2 * SLOT + 1)[0].check()
     with pytest.raises(ValueError, match="deadline"):
         specs(["a", "b"], Path("/tmp"), deadline_min=2.0, deadline_max=1.0)[0].check()
+
+
+def test_the_injector_never_signals_an_engine_whose_restart_failed_or_that_is_under_a_fault(
+        tmp_path: Path) -> None:
+    from aionixl._soak._run import Soak, SoakOptions
+    from aionixl.testing import RemoteEngine
+
+    soak = Soak(SoakOptions(hosts=2, engines=2), tmp_path, lambda line: None)
+    soak._engines = [RemoteEngine(name, seed=i, num_blocks=2) for i, name in enumerate(soak.names)]
+    assert soak._faultable_engines() == [0, 1, 2, 3]
+    soak._down.add(1)  # killed, its restart failed: it stays down
+    soak._busy.add(soak.names[2])  # paused now
+    assert soak._faultable_engines() == [0, 3]

@@ -194,7 +194,7 @@ class Soak:
                 self._rng.shuffle(deck)
             kind = deck.pop()
             if kind in ("sigkill", "sigstop"):
-                free = [i for i in range(len(self._engines)) if self.names[i] not in self._busy]
+                free = self._faultable_engines()
                 if free:
                     tg.start_soon(self._engine_fault, kind, self._rng.choice(free))
             elif kind == "link_cut":
@@ -203,6 +203,12 @@ class Soak:
                     tg.start_soon(self._link_fault, fleet, self._rng.choice(hosts))
             elif "etcd" not in self._busy:
                 tg.start_soon(self._etcd_fault, fleet)
+
+    def _faultable_engines(self) -> list[int]:
+        """Engines a signal may hit now: running, and under no other fault. One whose
+        restart failed stays down (a finding already): signalling it would raise."""
+        return [i for i in range(len(self._engines))
+                if i not in self._down and self.names[i] not in self._busy]
 
     def _fault(self, kind: str, target: str, duration: float) -> None:
         self.faults.append({"t": time.time(), "kind": kind, "target": target, "duration": round(duration, 3)})
