@@ -225,6 +225,73 @@ async def test_a_sigkilled_engines_key_is_gone_within_ttl(anyio_backend: Any,
             assert time.monotonic() - killed <= TTL + 1, time.monotonic() - killed
 
 
+async def etcd_call(server: EtcdServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        reply: dict[str, Any] = (await client.post(server.url + path, json=body)).json()
+    return reply
+
+
+async def lease_of(server: EtcdServer, key: str) -> str:
+    import base64
+
+    reply = await etcd_call(server, "/v3/kv/range", {"key": base64.b64encode(key.encode()).decode()})
+    return str(reply["kvs"][0]["lease"])
+
+
+async def killed_child_engine(server: EtcdServer, pfx: str, name: str, ttl: float) -> tuple[str, str]:
+    """An engine registered by a child process, SIGKILLed: its address and its lease, which
+    stays live for ``ttl``."""
+    async with await anyio.open_process(
+            [sys.executable, "-m", "tests.discovery_child", server.url, pfx, name, str(ttl), "asyncio"],
+            cwd=HERE.parent, stderr=subprocess.DEVNULL) as child:
+        assert child.stdout is not None
+        line = b""
+        with anyio.fail_after(60):
+            async for chunk in child.stdout:
+                line += chunk
+                if b"\n" in line:
+                    break
+        lease = await lease_of(server, pfx + name)
+        child.send_signal(signal.SIGKILL)
+        await child.wait()
+    return json.loads(line)["address"], lease
+
+
+async def test_a_killed_engines_successor_on_its_address_takes_its_name_over_at_once(
+        anyio_backend: Any, etcd: EtcdServer) -> None:
+    """The successor holds the listening socket at that address, so the engine registered
+    there no longer listens: it need not wait out the old lease (60 s here)."""
+    pfx, name = prefix(), unique("successor")
+    with anyio.fail_after(90):
+        address, old_lease = await killed_child_engine(etcd, pfx, name, 60.0)
+        async with aionixl.Engine(name, numpy_cache(), listen=address,
+                                  discovery=discovery(etcd, pfx)) as successor:
+            assert successor.address == address
+            assert (await registered(etcd, pfx))[name].address == address
+            assert await lease_of(etcd, pfx + name) != old_lease
+            # The old lease lapsing (revoked here) no longer takes the key with it.
+            await etcd_call(etcd, "/v3/lease/revoke", {"ID": old_lease})
+            assert (await registered(etcd, pfx))[name].address == address
+
+
+async def test_an_engine_that_advertises_does_not_take_over_a_name_on_its_address(
+        anyio_backend: Any, etcd: EtcdServer) -> None:
+    """An advertised address says nothing about which socket holds its port."""
+    pfx, name = prefix(), unique("advertiser")
+    with anyio.fail_after(90):
+        address, old_lease = await killed_child_engine(etcd, pfx, name, 60.0)
+        host = address.removeprefix("tcp://").rpartition(":")[0]
+        engine = aionixl.Engine(name, numpy_cache(), listen=address,
+                                discovery=discovery(etcd, pfx, advertise=host))
+        with pytest.raises(aionixl.DiscoveryError, match="registered in etcd already"):
+            async with engine:
+                pytest.fail("took over a name through an advertised address")
+        assert await lease_of(etcd, pfx + name) == old_lease
+        await etcd_call(etcd, "/v3/lease/revoke", {"ID": old_lease})
+
+
 # ---- watching -------------------------------------------------------------------------------------
 
 
