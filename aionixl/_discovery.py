@@ -55,7 +55,6 @@ def _httpx() -> Any:
     return httpx
 
 
-
 def _holder(reply: dict[str, Any]) -> tuple[str, int | None]:
     """From a failed create's range: the registered address ("?" if unreadable) and the
     key's ``mod_revision``."""
@@ -67,6 +66,7 @@ def _holder(reply: dict[str, Any]) -> tuple[str, int | None]:
             with suppress(ValueError, KeyError):
                 address = EngineRecord.from_json(_unb64(kv["value"])).address
     return address, revision
+
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
