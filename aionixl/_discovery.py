@@ -55,19 +55,6 @@ def _httpx() -> Any:
     return httpx
 
 
-def _holder(reply: dict[str, Any]) -> tuple[str, int | None]:
-    """From a failed create's range: the registered address ("?" if unreadable) and the
-    key's ``mod_revision``."""
-    address, revision = "?", None
-    for r in reply.get("responses", ()):
-        for kv in r.get("response_range", {}).get("kvs", ()):
-            with suppress(ValueError, KeyError, TypeError):
-                revision = int(kv["mod_revision"])
-            with suppress(ValueError, KeyError):
-                address = EngineRecord.from_json(_unb64(kv["value"])).address
-    return address, revision
-
-
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -322,32 +309,26 @@ class EtcdDiscovery:
 
     async def _register(self, record: EngineRecord) -> None:
         """Grant a lease and put ``record`` under it, unless a live engine holds the name
-        (``DiscoveryError``; so does etcd not answering).
-
-        A record of the name at this engine's own TCP address is taken over: this engine's
-        listener is bound there, so whatever registered it no longer listens (an incarnation
-        killed before its lease lapsed). Not with ``advertise``, which proves nothing about
-        the socket this engine holds."""
+        (``DiscoveryError``; so does etcd not answering)."""
         reply = await self._post("/v3/lease/grant", {"TTL": self._ttl})
         lease = int(reply["ID"])
         key = _b64(self._key(record.name))
-        put = {"request_put": {"key": key, "value": _b64(record.to_json()), "lease": str(lease)}}
         try:
             reply = await self._post("/v3/kv/txn", {
                 "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
-                "success": [put],
+                "success": [{"request_put": {"key": key, "value": _b64(record.to_json()),
+                                             "lease": str(lease)}}],
                 "failure": [{"request_range": {"key": key}}],
             })
             if not reply.get("succeeded", False):
-                holder, revision = _holder(reply)
-                if not (holder == record.address and self._owns(holder) and revision is not None
-                        and await self._take_over(key, revision, put)):
-                    raise DiscoveryError(
-                        f"an engine named {record.name!r} is registered in etcd already (at {holder}); "
-                        f"names must be unique (a crashed engine's name is free again within "
-                        f"{self._ttl} s, at once for a successor listening on its address)")
-                log.info("engine %r took over the registration its previous incarnation left at %s",
-                         record.name, holder)
+                holder = "?"
+                for r in reply.get("responses", ()):
+                    for kv in r.get("response_range", {}).get("kvs", ()):
+                        with suppress(ValueError, KeyError):
+                            holder = EngineRecord.from_json(_unb64(kv["value"])).address
+                raise DiscoveryError(
+                    f"an engine named {record.name!r} is registered in etcd already (at {holder}); names "
+                    f"must be unique (a crashed engine's name is free again within {self._ttl} s)")
         except BaseException:
             with anyio.CancelScope(shield=True), suppress(DiscoveryError):
                 await self._post("/v3/lease/revoke", {"ID": str(lease)})
@@ -355,20 +336,6 @@ class EtcdDiscovery:
         self._lease = lease
         self._record = record
         self.registrations += 1
-
-    def _owns(self, address: str) -> bool:
-        """Whether a registered ``address`` names a socket only this engine can hold now: a
-        TCP address registered as bound (an ``advertise`` host or URL proves nothing about
-        which socket holds its port)."""
-        return address.startswith("tcp://") and self._advertise is None
-
-    async def _take_over(self, key: str, revision: int, put: dict[str, Any]) -> bool:
-        """Replace the record at ``key`` if it is still the one read at ``revision``."""
-        reply = await self._post("/v3/kv/txn", {
-            "compare": [{"key": key, "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)}],
-            "success": [put],
-        })
-        return bool(reply.get("succeeded", False))
 
     async def _keepalive_once(self) -> bool:
         """Refresh the lease; False when etcd no longer knows it (its key is gone)."""

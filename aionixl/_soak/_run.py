@@ -122,7 +122,7 @@ class Soak:
         self.findings: list[dict[str, Any]] = []  # violations the orchestrator saw
         self.stops: list[dict[str, Any]] = []  # each engine's final graceful stop
         self.restarts = 0
-        #: Failed starts retried, by why: "discovery" (etcd down or out of reach),
+        #: Failed starts retried, by why: "discovery" (etcd down, the old key still there),
         #: "nixl_backend" (the host's link cut: UCX finds no device), "other".
         self.restart_retries: dict[str, int] = {}
         self._engines: list[RemoteEngine] = []
@@ -258,10 +258,10 @@ class Soak:
             self._busy.discard("etcd")
 
     async def _restart(self, index: int) -> None:
-        """Start a killed (or dead) engine again (on its old address: it takes over the
-        killed incarnation's key at once). A start fails by design while etcd is down and
-        while its host's link is cut (UCX finds no usable device), so it is retried for a
-        while; an engine that cannot be started is a finding and stays down."""
+        """Start a killed (or dead) engine again. A start fails by design while etcd is down,
+        while the killed incarnation's key has not lapsed (names are unique: up to ``ttl``
+        after a crash) and while its host's link is cut (UCX finds no usable device), so it is
+        retried for a while; an engine that cannot be started is a finding and stays down."""
         give_up = anyio.current_time() + self.options.ttl + RESTART_PATIENCE
         self._down.add(index)
         while True:
