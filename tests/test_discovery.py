@@ -201,20 +201,22 @@ async def test_a_sigkilled_engines_key_is_gone_within_ttl(anyio_backend: Any,
         async with await anyio.open_process(
                 [sys.executable, "-m", "tests.discovery_child", etcd.url, pfx, name, str(TTL), backend],
                 cwd=HERE.parent, stderr=subprocess.DEVNULL) as child:
-            assert child.stdout is not None
-            line = b""
-            with anyio.fail_after(60):
-                async for chunk in child.stdout:
-                    line += chunk
-                    if b"\n" in line:
-                        break
-            address = json.loads(line)["address"]
-            records = await registered(etcd, pfx)
-            assert records[name].address == address
-            # Still there after more than one ttl: the child keeps its lease alive.
-            await anyio.sleep(TTL * 1.5)
-            assert name in await registered(etcd, pfx)
-            child.send_signal(signal.SIGKILL)
+            try:
+                assert child.stdout is not None
+                line = b""
+                with anyio.fail_after(60):
+                    async for chunk in child.stdout:
+                        line += chunk
+                        if b"\n" in line:
+                            break
+                address = json.loads(line)["address"]
+                records = await registered(etcd, pfx)
+                assert records[name].address == address
+                # Still there after more than one ttl: the child keeps its lease alive.
+                await anyio.sleep(TTL * 1.5)
+                assert name in await registered(etcd, pfx)
+            finally:  # also when a check above failed: leaving the block waits for the child
+                child.send_signal(signal.SIGKILL)
             killed = time.monotonic()
             await child.wait()
 
