@@ -114,6 +114,15 @@ class Host:
         any socket of the other engines there could hold it by then)."""
         return f"tcp://{self.addr}:{next(self._ports)}"
 
+    def remote_engine(self, name: str | None = None, **kwargs: Any) -> RemoteEngine:
+        """A :class:`RemoteEngine` (same arguments) run inside this namespace, listening on
+        :meth:`listen_address` unless given ``listen=``, with UCX on TCP over this host's
+        device (``env=`` adds to that)."""
+        if "listen" not in kwargs:
+            kwargs["listen"] = self.listen_address()
+        kwargs["env"] = {**self.ucx_env(), **kwargs.get("env", {})}
+        return RemoteEngine(name, command_prefix=self.command([]), **kwargs)
+
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this namespace."""
         return ["ip", "netns", "exec", self.ns, *argv]
@@ -189,12 +198,8 @@ class TwoHosts:
 
     def remote_engine(self, host: Host | str, name: str | None = None, **kwargs: Any) -> RemoteEngine:
         """A :class:`RemoteEngine` (same arguments) run inside ``host``'s namespace, listening
-        on its address, with UCX on TCP over its veth device."""
-        where = self.host(host)
-        if "listen" not in kwargs:
-            kwargs["listen"] = where.listen_address()
-        kwargs["env"] = {**where.ucx_env(), **kwargs.get("env", {})}
-        return RemoteEngine(name, command_prefix=where.command([]), **kwargs)
+        on its address, with UCX on TCP over its veth device (:meth:`Host.remote_engine`)."""
+        return self.host(host).remote_engine(name, **kwargs)
 
     def cut(self, host: Host | str = "a") -> None:
         """Take ``host``'s end of the link down (``ip link set DEV down``)."""
@@ -306,13 +311,9 @@ class FleetHosts:
         """A :class:`RemoteEngine` (same arguments) on ``host``: listening on its address, UCX
         on TCP over its link, registered in this fleet's etcd under ``prefix`` (unless
         ``discovery=`` says otherwise). Killed on exit if still running."""
-        where = self.host(host)
-        if "listen" not in kwargs:
-            kwargs["listen"] = where.listen_address()
-        kwargs["env"] = {**where.ucx_env(), **kwargs.get("env", {})}
         if "discovery" not in kwargs and self.etcd is not None:
             kwargs["discovery"] = self.discovery(prefix, ttl)
-        engine = RemoteEngine(name, command_prefix=where.command([]), **kwargs)
+        engine = self.host(host).remote_engine(name, **kwargs)
         self._engines.append(engine)
         return engine
 
