@@ -1,10 +1,13 @@
 """Per-transfer cost of an awaited one-block read against a bare synchronous NIXL loop.
 
 Both run in this process, against the same kind of peer (a second agent / engine in the
-same process, on DRAM), with the same regions and block ids. Prints medians over repeats
-and the spread; the ratio is the number to watch. ``--telemetry`` creates the engines' agents
-with NIXL's per-request telemetry (``EngineConfig(nixl_telemetry=True)``). Usage:
-    .venv/bin/python benchmarks/overhead.py [--regions 2] [--n 3000] [--repeats 7] [--telemetry]
+same process, on DRAM), with the same regions and block ids. They alternate, a chunk of
+``--n`` reads each, ``--repeats`` times: this machine's noise moves both alike, so the
+number to watch is the median of the per-repeat ratios, printed with their p10-p90 spread.
+``--telemetry`` creates the engines' agents with NIXL's per-request telemetry
+(``EngineConfig(nixl_telemetry=True)``). Usage:
+    .venv/bin/python benchmarks/overhead.py [--regions 2] [--block-bytes 4096] [--n 1000]
+                                            [--repeats 25] [--telemetry]
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import argparse
 import logging
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
 
 import anyio
 import numpy as np
@@ -22,7 +28,9 @@ import aionixl
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
-def bare_loop(regions: int, blocks: int, block_bytes: int, n: int, repeats: int) -> list[float]:
+def bare_reader(stack: ExitStack, regions: int, blocks: int, block_bytes: int) -> Callable[[int], float]:
+    """A bare NIXL agent pair reading block 3 of every region; returns ``run(n)``, seconds
+    per read over ``n`` reads. ``stack`` releases everything."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
@@ -34,16 +42,18 @@ def bare_loop(regions: int, blocks: int, block_bytes: int, n: int, repeats: int)
         rows = [np.array([[m[i].ctypes.data, block_bytes, 0] for i in range(blocks)], np.uint64) for m in mem]
         return np.concatenate(rows)
 
-    regs = []
     for agent, mem in ((a, mem_a), (b, mem_b)):
-        regs.append((agent, agent.register_memory(
-            np.array([[m.ctypes.data, m.nbytes, 0] for m in mem], np.uint64), "DRAM")))
+        reg = agent.register_memory(np.array([[m.ctypes.data, m.nbytes, 0] for m in mem], np.uint64), "DRAM")
+        stack.callback(agent.deregister_memory, reg)
     a.add_remote_agent(b.get_agent_metadata())
+    stack.callback(a.remove_remote_agent, "bare-b")
     local = a.prep_xfer_dlist("NIXL_INIT_AGENT", descs(mem_a), "DRAM")
     remote = a.prep_xfer_dlist("bare-b", descs(mem_b), "DRAM")
+    stack.callback(remote.release)
+    stack.callback(local.release)
     idx = np.arange(regions, dtype=np.int32) * blocks + 3
-    results = []
-    for rep in range(repeats + 1):
+
+    def run(n: int) -> float:
         t = time.perf_counter()
         for _ in range(n):
             h = a.make_prepped_xfer("READ", local, idx, remote, idx)
@@ -53,33 +63,42 @@ def bare_loop(regions: int, blocks: int, block_bytes: int, n: int, repeats: int)
                 b.get_new_notifs()
             assert state == "DONE"
             h.release()
-        if rep:  # the first round warms up the connection
-            results.append((time.perf_counter() - t) / n)
-    local.release()
-    remote.release()
-    a.remove_remote_agent("bare-b")
-    for agent, reg in regs:
-        agent.deregister_memory(reg)
-    return results
+        seconds = (time.perf_counter() - t) / n
+        if not all((mine[3] == theirs[3]).all() for mine, theirs in zip(mem_a, mem_b, strict=True)):
+            raise RuntimeError("the bare reads did not land")
+        return seconds
+
+    return run
 
 
-async def engine_loop(regions: int, blocks: int, block_bytes: int, n: int, repeats: int,
-                      telemetry: bool = False) -> list[float]:
+async def paired(regions: int, blocks: int, block_bytes: int, n: int, repeats: int,
+                 telemetry: bool) -> dict[str, list[float]]:
+    """Seconds per read, bare and aionixl, over ``repeats`` alternating chunks of ``n``."""
     src = [np.ones((blocks, block_bytes), np.uint8) for _ in range(regions)]
     dst = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(regions)]
     cfg = aionixl.EngineConfig(nixl_telemetry=True) if telemetry else aionixl.EngineConfig()
-    async with aionixl.Engine("eng-src", src, config=cfg) as s, \
-            aionixl.Engine("eng-dst", dst, listen=None, config=cfg) as d:
-        assert s.address is not None
-        peer = await d.connect(s.address)
-        results = []
-        for rep in range(repeats + 1):
-            t = time.perf_counter()
-            for _ in range(n):
-                await d.transfer_blocks(peer, [3], [3])
-            if rep:
-                results.append((time.perf_counter() - t) / n)
-    return results
+    with ExitStack() as stack:
+        bare = bare_reader(stack, regions, blocks, block_bytes)
+        async with aionixl.Engine("eng-src", src, config=cfg) as s, \
+                aionixl.Engine("eng-dst", dst, listen=None, config=cfg) as d:
+            assert s.address is not None
+            peer = await d.connect(s.address)
+            transfer = d.transfer_blocks
+
+            async def engine(count: int) -> float:
+                t = time.perf_counter()
+                for _ in range(count):
+                    await transfer(peer, [3], [3])
+                return (time.perf_counter() - t) / count
+
+            bare(n), await engine(n)  # the first chunk of each warms up its connection
+            out: dict[str, list[float]] = {"bare": [], "aionixl": []}
+            for _ in range(repeats):
+                out["bare"].append(bare(n))
+                out["aionixl"].append(await engine(n))
+            if not all((m[3] == 1).all() for m in dst):
+                raise RuntimeError("the engine's reads did not land")
+    return out
 
 
 def main() -> None:
@@ -87,22 +106,21 @@ def main() -> None:
     p.add_argument("--regions", type=int, default=2)
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--block-bytes", type=int, default=4096)
-    p.add_argument("--n", type=int, default=3000)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--telemetry", action="store_true", help="engines capture NIXL telemetry")
     args = p.parse_args()
-    shape = (args.regions, args.blocks, args.block_bytes, args.n, args.repeats)
-    rows = {"bare NIXL (sync loop)": bare_loop(*shape)}
+    shape = (args.regions, args.blocks, args.block_bytes, args.n, args.repeats, args.telemetry)
+    print(f"one-block read, {args.regions} regions x {args.block_bytes} B, {args.repeats} alternating "
+          f"chunks of {args.n} reads")
+    print(f"{'backend':<9} {'bare us':>8} {'aionixl us':>11} {'ratio':>7} {'p10-p90':>13}")
     for backend in ("asyncio", "trio"):
-        rows[f"aionixl on {backend}"] = anyio.run(engine_loop, *shape, args.telemetry, backend=backend)
-    base = statistics.median(rows["bare NIXL (sync loop)"])
-    print(f"one-block read, {args.regions} regions x {args.block_bytes} B, {args.n} transfers x "
-          f"{args.repeats} repeats")
-    print(f"{'contender':<24} {'median us':>10} {'min':>8} {'max':>8} {'ratio':>7}")
-    for name, values in rows.items():
-        med = statistics.median(values)
-        print(f"{name:<24} {med * 1e6:>10.2f} {min(values) * 1e6:>8.2f} {max(values) * 1e6:>8.2f} "
-              f"{med / base:>7.2f}")
+        runs: dict[str, Any] = anyio.run(paired, *shape, backend=backend)
+        ratios = [mine / theirs for mine, theirs in zip(runs["aionixl"], runs["bare"], strict=True)]
+        q = statistics.quantiles(ratios, n=10)
+        print(f"{backend:<9} {statistics.median(runs['bare']) * 1e6:>8.2f} "
+              f"{statistics.median(runs['aionixl']) * 1e6:>11.2f} {statistics.median(ratios):>7.3f} "
+              f"{q[0]:>6.3f}-{q[-1]:.3f}")
 
 
 if __name__ == "__main__":
