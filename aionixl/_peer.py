@@ -7,7 +7,7 @@ still usable); admitting, evicting and probing peers is :mod:`aionixl._peers`' j
 from __future__ import annotations
 
 from ._parts import BlockPart, PartLists
-from ._regions import Region, region_offsets
+from ._regions import IndexArray, Region, region_offsets
 from ._wire import incarnation
 
 
@@ -59,7 +59,7 @@ class Peer:
         self._owner = owner  # the peer table (of one engine) that admitted it
         self._connected = True
         self._lost: BaseException | None = None  # why it was evicted, if it was
-        self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+        self._one_block: dict[int, IndexArray] = {}  # block id -> its descriptor indices
         #: Not an aionixl engine (a vLLM prefill): it gets no probe and no goodbye, which
         #: it would take for a request's notification.
         self._foreign = False

@@ -21,6 +21,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ._checks import check_timeout
 from ._coalesce import Coalescer, with_room
 from ._config import EngineConfig
@@ -85,7 +87,7 @@ class Transfers:
         #: The most ids an array or a list may hold and still take the plain-Python path.
         self._list_from_array = max(1, _LIST_FROM_ARRAY // len(local.offset_list))
         self._list_from_list = max(1, _LIST_FROM_LIST // len(local.offset_list))
-        self._one_block: dict[int, list[int]] = {}  # block id -> its descriptor indices
+        self._one_block: dict[int, IndexArray] = {}  # block id -> its descriptor indices
         #: Parts of blocks: a component of its own, built here from the same components.
         self._parts = PartPath(local, peers, coalescer, direct, push, metrics, turns)
 
@@ -205,7 +207,7 @@ class Transfers:
         return self._peers.live(peer), timeout
 
     def _one_block_indices(self, peer: Peer, local_blocks: object,
-                           remote_blocks: object) -> tuple[list[int], list[int]] | None:
+                           remote_blocks: object) -> tuple[IndexArray, IndexArray] | None:
         """Descriptor indices of a valid one-block call (plain int ids), from the memo; None
         for any other call."""
         if type(local_blocks) is not list or type(remote_blocks) is not list \
@@ -272,14 +274,16 @@ def _as_lists(local_blocks: Any, remote_blocks: Any, most: int) -> tuple[Any, An
     return local_blocks, remote_blocks
 
 
-def _remember(cache: dict[int, list[int]], block: int, num_blocks: int,
-              offsets: list[int]) -> list[int] | None:
+def _remember(cache: dict[int, IndexArray], block: int, num_blocks: int,
+              offsets: list[int]) -> IndexArray | None:
     """A valid block id's descriptor indices, remembered (the last _ONE_BLOCK_CACHE ids);
-    None for an invalid one."""
+    None for an invalid one. An int32 array, read-only as it is shared: NIXL builds a
+    request from one faster than from a list (NOTES.md, "The one-block memo's arrays")."""
     if not 0 <= block < num_blocks:
         return None
     if len(cache) >= _ONE_BLOCK_CACHE:
         cache.clear()
-    indices = cache[block] = [o + block for o in offsets]
+    indices = cache[block] = np.array([o + block for o in offsets], np.int32)
+    indices.flags.writeable = False
     return indices
 
