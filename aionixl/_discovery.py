@@ -328,7 +328,8 @@ class EtcdDiscovery:
                             holder = EngineRecord.from_json(_unb64(kv["value"])).address
                 raise DiscoveryError(
                     f"an engine named {record.name!r} is registered in etcd already (at {holder}); names "
-                    f"must be unique (a crashed engine's name is free again within {self._ttl} s)")
+                    f"must be unique (a crashed engine's name is free again {self._ttl} s after its last "
+                    f"keep-alive, or after etcd came back if etcd restarted since)")
         except BaseException:
             with anyio.CancelScope(shield=True), suppress(DiscoveryError):
                 await self._post("/v3/lease/revoke", {"ID": str(lease)})
