@@ -218,10 +218,10 @@ class Transfers:
             return None
         local_idx = self._one_block.get(lb)
         if local_idx is None:  # not seen lately (a cache larger than the memo)
-            local_idx = _remember(self._one_block, lb, self._num_blocks, self._offset_list)
+            local_idx = _remember(self._one_block, lb, self._num_blocks, self._local.offsets)
         remote_idx = peer._one_block.get(rb)
         if remote_idx is None:
-            remote_idx = _remember(peer._one_block, rb, peer.num_blocks, peer._offset_list)
+            remote_idx = _remember(peer._one_block, rb, peer.num_blocks, peer._offsets)
         if local_idx is None or remote_idx is None:
             return None  # an id out of range: the general check says which
         return local_idx, remote_idx
@@ -275,7 +275,7 @@ def _as_lists(local_blocks: Any, remote_blocks: Any, most: int) -> tuple[Any, An
 
 
 def _remember(cache: dict[int, IndexArray], block: int, num_blocks: int,
-              offsets: list[int]) -> IndexArray | None:
+              offsets: IndexArray) -> IndexArray | None:
     """A valid block id's descriptor indices, remembered (the last _ONE_BLOCK_CACHE ids);
     None for an invalid one. An int32 array, read-only as it is shared: NIXL builds a
     request from one faster than from a list (NOTES.md, "The one-block memo's arrays")."""
@@ -283,7 +283,7 @@ def _remember(cache: dict[int, IndexArray], block: int, num_blocks: int,
         return None
     if len(cache) >= _ONE_BLOCK_CACHE:
         cache.clear()
-    indices = cache[block] = np.array([o + block for o in offsets], np.int32)
+    indices = cache[block] = descriptor_indices(offsets, np.array([block], np.int32))
     indices.flags.writeable = False
     return indices
 
