@@ -27,10 +27,25 @@ import aionixl
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
+#: The block every read moves (in every region).
+BLOCK = 3
+
+
+def clear(dst: list[np.ndarray]) -> None:
+    """Zero ``BLOCK`` in every destination region before a chunk, so that its check can fail."""
+    for m in dst:
+        m[BLOCK] = 0
+
+
+def check_landed(dst: list[np.ndarray], src: list[np.ndarray], who: str) -> None:
+    """Raise unless every region's ``BLOCK`` in ``dst`` holds ``src``'s bytes."""
+    if not all((mine[BLOCK] == theirs[BLOCK]).all() for mine, theirs in zip(dst, src, strict=True)):
+        raise RuntimeError(f"the {who} reads did not land")
+
 
 def bare_reader(stack: ExitStack, regions: int, blocks: int, block_bytes: int) -> Callable[[int], float]:
-    """A bare NIXL agent pair reading block 3 of every region; returns ``run(n)``, seconds
-    per read over ``n`` reads. ``stack`` releases everything."""
+    """A bare NIXL agent pair reading ``BLOCK`` of every region; returns ``run(n)``, seconds
+    per read over ``n`` reads, checked. ``stack`` releases everything."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
@@ -51,9 +66,10 @@ def bare_reader(stack: ExitStack, regions: int, blocks: int, block_bytes: int) -
     remote = a.prep_xfer_dlist("bare-b", descs(mem_b), "DRAM")
     stack.callback(remote.release)
     stack.callback(local.release)
-    idx = np.arange(regions, dtype=np.int32) * blocks + 3
+    idx = np.arange(regions, dtype=np.int32) * blocks + BLOCK
 
     def run(n: int) -> float:
+        clear(mem_a)
         t = time.perf_counter()
         for _ in range(n):
             h = a.make_prepped_xfer("READ", local, idx, remote, idx)
@@ -64,8 +80,7 @@ def bare_reader(stack: ExitStack, regions: int, blocks: int, block_bytes: int) -
             assert state == "DONE"
             h.release()
         seconds = (time.perf_counter() - t) / n
-        if not all((mine[3] == theirs[3]).all() for mine, theirs in zip(mem_a, mem_b, strict=True)):
-            raise RuntimeError("the bare reads did not land")
+        check_landed(mem_a, mem_b, "bare")
         return seconds
 
     return run
@@ -86,18 +101,20 @@ async def paired(regions: int, blocks: int, block_bytes: int, n: int, repeats: i
             transfer = d.transfer_blocks
 
             async def engine(count: int) -> float:
+                block = BLOCK  # a local: [block] costs what the literal [3] did
+                clear(dst)
                 t = time.perf_counter()
                 for _ in range(count):
-                    await transfer(peer, [3], [3])
-                return (time.perf_counter() - t) / count
+                    await transfer(peer, [block], [block])
+                seconds = (time.perf_counter() - t) / count
+                check_landed(dst, src, "engine's")
+                return seconds
 
             bare(n), await engine(n)  # the first chunk of each warms up its connection
             out: dict[str, list[float]] = {"bare": [], "aionixl": []}
             for _ in range(repeats):
                 out["bare"].append(bare(n))
                 out["aionixl"].append(await engine(n))
-            if not all((m[3] == 1).all() for m in dst):
-                raise RuntimeError("the engine's reads did not land")
     return out
 
 
