@@ -12,6 +12,12 @@ def _mapping() -> Mapping[str, str]:
     return {}
 
 
+#: The largest ``coalesce_max_blocks``: a merged request's packed notification carries a
+#: message per member at most, and receivers refuse one of more messages than this
+#: (``aionixl._wire.MAX_PACKED_MESSAGES``).
+MAX_COALESCE_BLOCKS = 1 << 16
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """Engine settings. All times are in seconds.
@@ -49,7 +55,7 @@ class EngineConfig:
     max_pending_notifications: int = 4096
     #: The bytes their messages may hold together, so that a peer sending large ones cannot
     #: grow memory past it; past it the oldest are dropped (the newest is always kept).
-    max_pending_notification_bytes: int = 64 << 20
+    max_pending_notification_bytes: int = 16 << 20
     #: A secret shared by the engines that may connect to each other. When set, every
     #: handshake message carries an HMAC-SHA256 tag of it and messages without the right
     #: tag are refused before anything in them reaches NIXL. Set it wherever untrusted
@@ -77,7 +83,8 @@ class EngineConfig:
     #: NIXL request when they arrive together (see docs/coalescing.md). A lone
     #: caller never waits for company.
     coalesce: bool = True
-    #: The most blocks one merged request carries; callers beyond it start another.
+    #: The most blocks one merged request carries; callers beyond it start another (at
+    #: most 65536).
     coalesce_max_blocks: int = 4096
     #: Calls that move more bytes than this post alone, never in a merged request. Merging
     #: saves a caller its own post, state checks and wake, most of a small call's cost but
@@ -149,6 +156,9 @@ class EngineConfig:
         for name, value in counts.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.coalesce_max_blocks > MAX_COALESCE_BLOCKS:
+            raise ValueError(f"coalesce_max_blocks must be at most {MAX_COALESCE_BLOCKS}, "
+                             f"got {self.coalesce_max_blocks!r}")
         if not isinstance(self.push_staging_bytes, int) or isinstance(self.push_staging_bytes, bool) \
                 or self.push_staging_bytes < 0:
             raise ValueError(f"push_staging_bytes must be an int >= 0, got {self.push_staging_bytes!r}")

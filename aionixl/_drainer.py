@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import anyio
+import anyio.lowlevel
 
 from ._config import EngineConfig
 from ._errors import AionixlError
@@ -22,9 +23,13 @@ from ._lifecycle import LocalSide
 from ._notifications import Mailbox, Notification
 from ._peers import PeerTable
 from ._push import Pusher
-from ._ratelimit import RateLimitedLog
+from ._ratelimit import RateLimitedLog, Refusals
 from ._vllm_serve import VllmServer
-from ._wire import MULTI, RESERVED, TAGGED, SeenTags, unpack_notifications, unpack_tagged
+from ._wire import MULTI, RESERVED, TAGGED, SeenTags, WireError, kind_of, unpack_notifications, unpack_tagged
+
+#: Notifications delivered (and messages handled) between two loop turns: a flood, or one
+#: packed notification of thousands, never holds the loop for long.
+SLICE = 512
 
 
 class NotificationDrainer:
@@ -32,7 +37,7 @@ class NotificationDrainer:
 
     def __init__(self, local: LocalSide, config: EngineConfig, deliver: Callable[[Notification], None],
                  mailbox: Mailbox, leases: LeaseTable, peers: PeerTable, table: InFlightTable,
-                 push: Pusher, vllm: VllmServer, noisy: RateLimitedLog) -> None:
+                 push: Pusher, vllm: VllmServer, noisy: RateLimitedLog, refusals: Refusals) -> None:
         self._local = local
         self._config = config
         self._deliver = deliver  # to a lease (read-dones, heartbeats) or the mailbox
@@ -43,6 +48,7 @@ class NotificationDrainer:
         self._push = push
         self._vllm = vllm  # while it serves, vLLM decoders we never admitted may read from us
         self._noisy = noisy
+        self._refusals = refusals
         self._wakeup = anyio.Event()
         self._seen_tags = SeenTags()
 
@@ -53,32 +59,73 @@ class NotificationDrainer:
         """One NIXL progress call: the engine's own messages are handled here (push reads,
         probes, goodbyes; packed ones unpacked, repeated tags dropped); returns the
         notifications meant for callers, in arrival order."""
+        notes: list[Notification] = []
+        for peer_name, message, relayed in self._arrived():
+            self.sort(peer_name, message, notes, relayed=relayed)
+        return notes
+
+    def _arrived(self) -> Iterator[tuple[str, bytes, bool]]:
+        """(sender, message, relayed) of what arrived at the engine's agent."""
         agent = self._local.agent
         assert agent is not None
         try:
             notifs = agent.get_notifs()
         except AionixlError as exc:
             self._noisy.log(logging.WARNING, "notifs", "reading notifications failed: %s", exc)
-            return []
-        notes: list[Notification] = []
+            notifs = {}
         for peer_name, messages in notifs.items():
             for message in messages:
-                self.sort(peer_name, message, notes)
-        return notes
+                yield peer_name, message, False
 
-    def sort(self, peer_name: str, message: bytes, notes: list[Notification]) -> None:
+    def sort(self, peer_name: str, message: bytes, notes: list[Notification], *,
+             relayed: bool = False) -> None:
         """Handle one incoming message that is the engine's own; append those meant for
-        callers to ``notes`` (also for messages a vLLM serving process relays)."""
+        callers to ``notes``. ``relayed``: it reached the agent of a vLLM serving process,
+        whose reserved messages are refused: vLLM decoders pick their agent names
+        themselves, and one could pass for an admitted peer and push, cancel or say goodbye
+        in its name. Nothing a peer sends raises out
+        of here: what cannot be handled is refused and counted."""
         if not message.startswith(RESERVED):
             notes.append(Notification(peer_name, message))
-        elif message.startswith(MULTI):
-            notes += [Notification(peer_name, m) for m in unpack_notifications(message)]
-        elif message.startswith(TAGGED):
-            tagged = unpack_tagged(message)  # a tag seen before: delivered already
-            if tagged is not None and self._seen_tags.first(peer_name, tagged[0]):
-                notes += [Notification(peer_name, m) for m in tagged[1]]
-        elif not self._push.heard(peer_name, message):  # a push-read message handled
-            self._peers.heard(peer_name, message)  # a probe or a goodbye
+            return
+        if relayed:
+            self._refusals.refuse("relayed", peer_name, "a reserved message at the vLLM serving agent")
+            return
+        try:
+            if message.startswith(MULTI):
+                notes += [Notification(peer_name, m) for m in unpack_notifications(message)]
+            elif message.startswith(TAGGED):
+                tag, messages = unpack_tagged(message)
+                if self._seen_tags.first(peer_name, tag):  # a tag seen before: delivered already
+                    notes += [Notification(peer_name, m) for m in messages]
+            elif not self._push.heard(peer_name, message):  # a push-read message handled
+                self._peers.heard(peer_name, message)  # a probe or a goodbye
+        except WireError as exc:
+            self._refusals.refuse(kind_of(message), peer_name, str(exc))
+        except Exception as exc:  # never the end of the drainer, whatever a peer sent
+            self._refusals.refuse(kind_of(message), peer_name, f"{type(exc).__name__}: {exc}")
+
+    async def _drain(self) -> bool:
+        """One NIXL progress call, as :meth:`poll_once`, delivering as it goes with a loop
+        turn every ``SLICE`` messages; whether any was delivered."""
+        delivered = False
+        budget = SLICE
+        notes: list[Notification] = []
+        for peer_name, message, relayed in self._arrived():
+            self.sort(peer_name, message, notes, relayed=relayed)
+            budget -= 1
+            for note in notes:  # a packed notification may hold thousands
+                self._deliver(note)
+                budget -= 1
+                if budget <= 0:
+                    await anyio.lowlevel.checkpoint()
+                    budget = SLICE
+            delivered = delivered or bool(notes)
+            notes.clear()
+            if budget <= 0:
+                await anyio.lowlevel.checkpoint()
+                budget = SLICE
+        return delivered
 
     async def run(self) -> None:
         """Cadence: every loop turn while transfers are in flight or notifications arrive,
@@ -88,7 +135,7 @@ class NotificationDrainer:
         side channel served it sleeps until woken. Any activity (a transfer, a handshake, a
         new waiter) resets it.
         """
-        deliver, mailbox, leases = self._deliver, self._mailbox, self._leases
+        mailbox, leases = self._mailbox, self._leases
         peers, table, push = self._peers, self._table, self._push
         vllm = self._vllm
         busy_cap = self._config.notification_poll_interval
@@ -97,10 +144,7 @@ class NotificationDrainer:
         next_probe = anyio.current_time() + probe_every
         interval = 0.0
         while True:
-            notes = self.poll_once()
-            for note in notes:
-                deliver(note)
-            delivered = bool(notes)
+            delivered = await self._drain()
             waiting = mailbox.waiting or leases.waiting
             if peers and anyio.current_time() >= next_probe:
                 peers.probe()

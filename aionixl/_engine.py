@@ -47,7 +47,7 @@ from ._peer import Peer
 from ._peers import PeerTable
 from ._post import DirectPath, LoopTurns
 from ._push import Pusher
-from ._ratelimit import RateLimitedLog
+from ._ratelimit import RateLimitedLog, Refusals
 from ._regions import IndexArray, Region, block_descriptors, describe_regions, registration_spans
 from ._results import Op, TransferResult
 from ._staging import Staging
@@ -55,7 +55,7 @@ from ._transfers import Transfers
 from ._vllm_connect import VllmConnector
 from ._vllm_serve import VllmServer
 from ._vllm_wire import heartbeat_message
-from ._wire import FEATURES, RESERVED, user_message
+from ._wire import FEATURES, REFUSAL_KINDS, user_message
 
 log = logging.getLogger("aionixl")
 
@@ -110,8 +110,15 @@ class Engine:
         # The components, bottom up, each given what it needs (see docs/architecture.md).
         #: Warnings that peers can trigger at will (bad handshakes, failures) go through here.
         noisy = self._noisy = RateLimitedLog(log)
+        refusals = self._refusals = Refusals(noisy)
+
+        def mailbox_full(dropped: int) -> None:
+            noisy.log(logging.WARNING, "mailbox-full", "notification buffer full (%d messages, %d "
+                      "bytes): dropped the oldest, %d so far", config.max_pending_notifications,
+                      config.max_pending_notification_bytes, dropped)
+
         mailbox = self._mailbox = Mailbox(config.max_pending_notifications,
-                                          config.max_pending_notification_bytes)
+                                          config.max_pending_notification_bytes, mailbox_full)
         host = host_facts()
         peers = self._peers = PeerTable(local, life, noisy, read_mode=config.read_mode, host=host,
                                         on_admit=self._wake_drainer, on_drop=self._peer_dropped)
@@ -121,7 +128,7 @@ class Engine:
         turns = self._turns = LoopTurns()
         direct = self._direct = DirectPath(local, life, config, peers, table, metrics, turns)
         self._coalescer = Coalescer(local, life, config, peers, table, direct, metrics, turns)
-        leases = self._leases = LeaseTable()
+        leases = self._leases = LeaseTable(refusals)
 
         def deliver(note: Notification) -> None:
             """An incoming notification: a lease takes its read-dones and heartbeats."""
@@ -130,7 +137,7 @@ class Engine:
 
         self._deliver = deliver
 
-        self._push = Pusher(local, life, config, peers, table, deliver, noisy, self._wake_drainer)
+        self._push = Pusher(local, life, config, peers, table, deliver, noisy, refusals, self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers, config)
         self._vllm_server = VllmServer(local, config, noisy, self._wake_drainer, self._relayed, host)
@@ -140,7 +147,7 @@ class Engine:
         # method below documents it and does the same; this skips one Python call).
         self.transfer_blocks = self._transfers.transfer_blocks  # type: ignore[method-assign]
         self._drainer = NotificationDrainer(local, config, deliver, mailbox, leases, peers, table,
-                                            self._push, self._vllm_server, noisy)
+                                            self._push, self._vllm_server, noisy, refusals)
 
     # ---- properties ---------------------------------------------------------------------
 
@@ -249,6 +256,7 @@ class Engine:
             leases_active=self._leases.active(),
             leases_released=self._leases.released,
             leases_expired=self._leases.expired,
+            messages_refused={kind: self._refusals.counts.get(kind, 0) for kind in REFUSAL_KINDS},
             **self._discovery_metrics(),
         )
 
@@ -495,14 +503,10 @@ class Engine:
         self._drainer.wake()
 
     def _relayed(self, note: Notification) -> None:
-        """A notification our vLLM serving process received: handled as the drainer's own,
-        except the engine's reserved messages. vLLM decoders send none, and they pick their
-        agent names themselves: one could pass for an admitted peer and push, cancel or say
-        goodbye in its name."""
-        if note.message.startswith(RESERVED):
-            return
+        """A notification our vLLM serving process received: delivered as the drainer's own,
+        except the engine's reserved messages, which are refused (``NotificationDrainer.sort``)."""
         notes: list[Notification] = []
-        self._drainer.sort(note.peer, note.message, notes)
+        self._drainer.sort(note.peer, note.message, notes, relayed=True)
         for each in notes:
             self._deliver(each)
 

@@ -28,10 +28,15 @@ import anyio
 from ._checks import MAX_SECONDS, check_int
 from ._errors import AionixlError, EngineClosedError
 from ._notifications import Notification
+from ._ratelimit import Refusals
 from ._vllm_wire import HEARTBEAT_PREFIX, read_notification
 from ._wire import RESERVED
 
 _clock = time.monotonic
+
+#: The longest heartbeat taken (its ids are looked up one by one): a decode heartbeating a
+#: thousand requests of 60-character ids sends 60 KiB; a longer one is refused.
+MAX_HEARTBEAT_BYTES = 1 << 20
 
 
 class LeaseExpiredError(AionixlError):
@@ -108,7 +113,8 @@ class Lease:
 class LeaseTable:
     """The live leases of one engine, by request id, and their counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, refusals: Refusals) -> None:
+        self._refusals = refusals
         self._live: dict[str, Lease] = {}
         self.view: Mapping[str, Lease] = MappingProxyType(self._live)
         #: No live lease expires before this (heartbeats only move expiries later, so it may
@@ -157,6 +163,10 @@ class LeaseTable:
         """Take ``note`` if it is a heartbeat or a live lease's read-done; whether it did."""
         message = note.message
         if message.startswith(HEARTBEAT_PREFIX):
+            if len(message) > MAX_HEARTBEAT_BYTES:
+                self._refusals.refuse("heartbeat", note.peer, f"a heartbeat of {len(message)} bytes "
+                                      f"(at most {MAX_HEARTBEAT_BYTES})")
+                return True
             now = _clock()
             self.sweep(now)
             for rid in message[len(HEARTBEAT_PREFIX):].decode("utf-8", "replace").split(","):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -380,6 +380,12 @@ class EngineMetrics:
     #: Discovery (``Engine(discovery=)``): whether this engine's key is believed to be in
     #: etcd now; leases granted and keys put (1 after a clean start, more after etcd lost
     #: one); keep-alive or re-registration attempts that failed (etcd out of reach).
+    #: Messages from peers refused (malformed, over their bound, or from a sender not
+    #: entitled to them), by kind: ``probe``, ``goodbye``, ``multi``, ``tagged``, ``push``,
+    #: ``pcancel``, ``pdone``, ``perr``, ``pgone``, ``plost``, ``reserved`` (a reserved prefix
+    #: of no known kind), ``relayed`` (a reserved message sent to the agent serving vLLM
+    #: decoders), ``heartbeat`` (vLLM's heartbeat, over 1 MiB). Every kind is present.
+    messages_refused: Mapping[str, int] = field(default_factory=dict)
     discovery_registered: bool = False
     discovery_registrations: int = 0
     discovery_keepalive_failures: int = 0

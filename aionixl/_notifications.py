@@ -3,20 +3,19 @@
 A notification goes to the oldest waiter whose message (and peer, if it named one)
 matches; with no such waiter it is kept. At most ``limit`` are kept, holding at most
 ``byte_limit`` bytes of messages (or one message, however large): past that the oldest
-kept notifications are dropped, counted in ``dropped`` and logged, so a peer that notifies
-nobody-in-particular cannot grow memory without bound.
+kept notifications are dropped, counted in ``dropped`` and reported to ``on_drop`` (the
+engine logs it, rate-limited in time), so a peer that notifies nobody-in-particular cannot
+grow memory without bound, and a flood costs O(1) per message.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 import anyio
-
-log = logging.getLogger("aionixl")
 
 
 class Notification(NamedTuple):
@@ -37,9 +36,11 @@ class Waiter:
 
 
 class Mailbox:
-    def __init__(self, limit: int, byte_limit: int) -> None:
+    def __init__(self, limit: int, byte_limit: int, on_drop: Callable[[int], object] = lambda dropped: None
+                 ) -> None:
         self._limit = limit
         self._byte_limit = byte_limit
+        self._on_drop = on_drop  # told the count so far, on every drop
         self._kept_bytes = 0
         self._seq = itertools.count()
         self._kept: OrderedDict[int, Notification] = OrderedDict()
@@ -125,9 +126,7 @@ class Mailbox:
                 del self._kept_by_message[gone.message]
             self._kept_bytes -= len(gone.message)
             self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning("notification buffer full (%d messages, %d bytes): dropped the oldest, "
-                            "%d so far", self._limit, self._byte_limit, self.dropped)
+            self._on_drop(self.dropped)
         seq = next(self._seq)
         self._kept[seq] = note
         self._kept_bytes += size

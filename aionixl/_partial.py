@@ -99,6 +99,7 @@ class PartPath:
     async def _push_read(self, peer: Peer, local_ids: Indices, remote_ids: Indices, nblocks: int,
                          message: bytes, timeout: float | None, local_part: BlockPart | None,
                          remote_part: BlockPart | None, plan: PartPlan) -> TransferResult:
+        self._push.check_notify(message)
         started = _perf()
         try:
             await self._push.read(peer, local_ids, remote_ids, nblocks, message, timeout,

@@ -26,9 +26,13 @@ from typing import Any, Protocol, overload
 import numpy as np
 import numpy.typing as npt
 
-#: The most segments one block of one region may be cut into (a bound on the descriptor
-#: lists a peer can make this engine prepare): far above a head-major block's rows.
-MAX_SEGMENTS = 1 << 12
+#: The most segments one block of one region may be cut into. It bounds the descriptor
+#: lists a pair of parts makes an engine prepare by its own geometry (at most this many
+#: descriptors per block and region, where whole blocks take one), also where a peer's push
+#: request names the parts: real layouts need a segment per head or per token of a block
+#: at most (a token-major block of 128 tokens cut by heads; a head-major one of 128 heads cut
+#: by tokens). ~70 bytes per descriptor pass through memory while a list is prepared.
+MAX_SEGMENTS = 128
 _INT32_MAX = 2**31 - 1
 
 #: (offset in the block, length) of each segment, in increasing offset.

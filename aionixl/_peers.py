@@ -29,7 +29,7 @@ from ._parts import BlockPart, PartLists, check_list_size, part_descriptors, pla
 from ._peer import Peer, RemoteSlots
 from ._ratelimit import RateLimitedLog
 from ._regions import block_descriptors
-from ._wire import FEATURES, GOODBYE, PROBE, goodbye, incarnation
+from ._wire import FEATURES, GOODBYE, GOODBYE_BYTES, PROBE, WireError, goodbye, incarnation
 
 log = logging.getLogger("aionixl")
 
@@ -271,9 +271,14 @@ class PeerTable:
 
     def heard(self, name: str, message: bytes) -> None:
         """A reserved notification from ``name`` (not a push message): a goodbye drops that
-        incarnation."""
+        incarnation. ``WireError`` for a malformed goodbye or a reserved message of no
+        kind we know."""
+        if message.startswith(PROBE):
+            return  # its arrival is all it had to do
         if not message.startswith(GOODBYE):
-            return  # a probe: its arrival is all it had to do
+            raise WireError("a reserved message of no known kind")
+        if len(message) != GOODBYE_BYTES:
+            raise WireError(f"malformed goodbye: {len(message)} bytes")
         peer = self.by_name.get(name)
         # Only for the incarnation that said it: a restarted peer of the same name may
         # have been admitted before the old one's goodbye was read.

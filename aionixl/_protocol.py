@@ -140,6 +140,8 @@ def _decode(data: bytes, decoder: msgspec.msgpack.Decoder[Any], limit: int) -> o
         message = decoder.decode(data)
     except RecursionError as exc:  # msgspec recurses into nested containers
         raise ProtocolError("malformed handshake message: nested too deeply") from exc
+    except MemoryError as exc:
+        raise ProtocolError("malformed handshake message: too large to decode") from exc
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         version = _peek_version(data)
         if version is not None and version != PROTOCOL_VERSION:

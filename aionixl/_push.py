@@ -65,7 +65,6 @@ from collections.abc import Callable
 
 import anyio
 import anyio.abc
-import msgspec
 import numpy as np
 
 from ._config import EngineConfig
@@ -82,12 +81,12 @@ from ._notifications import Notification
 from ._parts import BlockPart, PartLists
 from ._peer import Peer
 from ._peers import PeerTable
-from ._ratelimit import RateLimitedLog
+from ._ratelimit import RateLimitedLog, Refusals
 from ._regions import IndexArray, descriptor_indices
 from ._results import TransferResult
 from ._staging import Ids, Staging
 from ._wire import (
-    MAX_PUSH_REQUEST,
+    MAX_PUSH_NOTIFY,
     PCANCEL,
     PDONE,
     PERR,
@@ -98,13 +97,14 @@ from ._wire import (
     RESERVED,
     STAGED_FEATURE,
     PushRequest,
+    WireError,
     decode_push_error,
     decode_push_request,
     incarnation,
     push_error,
     push_request,
     rid_bytes,
-    rid_of,
+    rid_payload,
 )
 
 log = logging.getLogger("aionixl")
@@ -231,6 +231,7 @@ class Pusher:
 
     def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
                  table: InFlightTable, deliver: Callable[[Notification], None], noisy: RateLimitedLog,
+                 refusals: Refusals,
                  wake_drainer: Callable[[], None]) -> None:
         self._local = local
         self._life = life
@@ -239,6 +240,7 @@ class Pusher:
         self._table = table
         self._deliver = deliver  # an incoming notification, to a lease or the mailbox
         self._noisy = noisy
+        self._refusals = refusals
         self._wake_drainer = wake_drainer
         self._ids = itertools.count(1)
         self.reads: dict[int, _Read] = {}  # ours, by request id
@@ -312,6 +314,14 @@ class Pusher:
             done += n
         nbytes = nblocks * self._local.bytes_per_block
         return TransferResult(nblocks, nbytes, time.perf_counter() - started)
+
+    @staticmethod
+    def check_notify(notify: bytes) -> None:
+        """Before a push read is counted as a transfer: ``ValueError`` for a ``notify``
+        longer than a server takes (``MAX_PUSH_NOTIFY``)."""
+        if len(notify) > MAX_PUSH_NOTIFY:
+            raise ValueError(f"notify of {len(notify)} bytes is too long for a push read (at most "
+                             f"{MAX_PUSH_NOTIFY}; Peer.read_mode is 'push')")
 
     async def _slots(self, staging: Staging, peer: Peer, wanted: int, end: float,
                      limit: float) -> tuple[int, Ids]:
@@ -454,19 +464,17 @@ class Pusher:
     # ---- the server's side --------------------------------------------------------------
 
     def heard(self, name: str, message: bytes) -> bool:
-        """A reserved notification: True if it was one of ours (and has been handled)."""
+        """A reserved notification: True if it was one of ours (and has been handled).
+        ``WireError`` for a malformed one (the drainer counts it), checked before any work."""
         if not message.startswith(PUSH_FAMILY):
             return False
         if message.startswith(PDONE):
-            self._settle(name, message[len(PDONE):], _DONE)
+            self._settle(name, rid_payload(message[len(PDONE):], "PDONE"), _DONE)
         elif message.startswith(PGONE):
-            self._settle(name, message[len(PGONE):], _GONE)
+            self._settle(name, rid_payload(message[len(PGONE):], "PGONE"), _GONE)
         elif message.startswith((PERR, PLOST)):
             lost = message.startswith(PLOST)
-            try:
-                err = decode_push_error(message[len(PLOST if lost else PERR):])
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return True
+            err = decode_push_error(memoryview(message)[len(PLOST if lost else PERR):])
             rec = self.reads.get(err.rid)
             if rec is not None and rec.peer.name == name:
                 rec.confirmed = not lost  # lost: what it was landing in stays out of use
@@ -478,11 +486,10 @@ class Pusher:
         elif message.startswith(PCANCEL):
             self._cancel(name, message[len(PCANCEL):])
         else:
-            self._serve(name, message[len(PUSH):])
+            self._serve(name, memoryview(message)[len(PUSH):])
         return True
 
-    def _settle(self, name: str, payload: bytes, state: int) -> None:
-        rid = rid_of(payload)
+    def _settle(self, name: str, rid: int, state: int) -> None:
         rec = self.reads.get(rid)
         if rec is not None and rec.peer.name == name:
             rec.confirmed = True
@@ -491,7 +498,7 @@ class Pusher:
             self._local.staging.confirmed_late(name, rid)
 
     def _cancel(self, name: str, payload: bytes) -> None:
-        rid = rid_of(payload)
+        rid = rid_payload(payload, "PCANCEL", incarnation=True)
         sender = payload[8:]  # the reader's incarnation (absent from older readers)
         job = self.jobs.get((name, rid))
         if job is not None and (not sender or sender == job.reader):
@@ -506,10 +513,15 @@ class Pusher:
         else:  # nothing of it is under way: say so at once
             self._send(peer, PGONE + rid_bytes(rid))
 
-    def _refuse(self, peer: Peer, rid: int, reason: str) -> None:
+    def _refuse(self, peer: Peer, rid: int, reason: str, *, malformed: bool = False) -> None:
+        """Tell the reader we will not serve request ``rid``; ``malformed``: the request
+        itself was at fault (counted among the messages refused), not our state."""
         self.refused += 1
-        self._noisy.log(logging.WARNING, "push-refused", "refused a push read from %r: %s",
-                        peer.name, reason)
+        if malformed:
+            self._refusals.refuse("push", peer.name, reason)
+        else:
+            self._noisy.log(logging.WARNING, "push-refused", "refused a push read from %r: %s",
+                            peer.name, reason)
         self._send(peer, push_error(rid, reason))
 
     def _send(self, peer: Peer, message: bytes) -> None:
@@ -523,18 +535,18 @@ class Pusher:
         except AionixlError as exc:
             self._noisy.log(logging.INFO, "push-send", "telling %r about a push: %s", peer.name, exc)
 
-    def _serve(self, name: str, payload: bytes) -> None:
+    def _serve(self, name: str, payload: memoryview) -> None:
+        """A push request: checked (sender, size, every field) before any work; whatever it
+        asks that we cannot do is refused with a PERR (and counted)."""
         peer = self._peers.by_name.get(name)
         if peer is None:
-            self._noisy.log(logging.WARNING, "push-unknown", "push request from %r, which is not "
-                            "an admitted peer: ignored", name[:80])
-            return
-        if len(payload) > MAX_PUSH_REQUEST:
-            return self._refuse(peer, 0, "request too large")
+            raise WireError("a push request from an agent that is not an admitted peer")
+        # The reader names at most its blocks (or staging slots), each once.
+        ids = max(peer.num_blocks, peer._staging.num_blocks if peer._staging is not None else 0)
         try:
-            req = decode_push_request(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return self._refuse(peer, 0, f"malformed push request: {exc}")
+            req = decode_push_request(payload, ids)
+        except WireError as exc:
+            return self._refuse(peer, 0, str(exc), malformed=True)
         if req.reader and req.reader != peer._incarnation:
             # From an earlier process of that name, delivered late: serving it would write
             # into the new one's staging slots, refusing it would fail the new one's read of
@@ -545,7 +557,9 @@ class Pusher:
         try:
             chunks, parts, dlist = self._chunks(peer, req)
         except (ValueError, AionixlError) as exc:
-            return self._refuse(peer, req.rid, str(exc))
+            return self._refuse(peer, req.rid, str(exc), malformed=isinstance(exc, ValueError))
+        except MemoryError:
+            return self._refuse(peer, req.rid, "out of memory preparing the request", malformed=True)
         key = (name, req.rid)
         if key in self.jobs:
             return self._refuse(peer, req.rid, "request id already in use")

@@ -41,3 +41,20 @@ class RateLimitedLog:
 
     def suppressed(self, key: str) -> int:
         return self._suppressed.get(key, 0)
+
+
+class Refusals:
+    """Messages from peers that the engine refused (malformed, over a bound, from a sender
+    not entitled to them), counted by kind and logged through a :class:`RateLimitedLog`,
+    one key per kind: a peer sending millions costs a counter each and a log line every
+    interval."""
+
+    def __init__(self, noisy: RateLimitedLog) -> None:
+        self._noisy = noisy
+        #: kind -> messages refused (``EngineMetrics.messages_refused``).
+        self.counts: dict[str, int] = {}
+
+    def refuse(self, kind: str, sender: str, reason: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self._noisy.log(logging.WARNING, f"refused-{kind}", "refused a %s message from %r: %s",
+                        kind, sender[:80], reason[:300])

@@ -245,6 +245,7 @@ class Transfers:
 
     async def _push_read(self, peer: Peer, local_idx: Indices, remote_idx: Indices, nblocks: int,
                          message: bytes, timeout: float | None) -> TransferResult:
+        self._push.check_notify(message)
         t0 = _perf()
         try:
             await self._push.read(peer, local_idx, remote_idx, nblocks, message, timeout)

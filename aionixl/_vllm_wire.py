@@ -107,7 +107,7 @@ def decode_reply(frames: Sequence[bytes], limit: int) -> VllmHandshake:
     if len(frames) == 1:
         try:
             refusal = _refusal_decoder.decode(frames[0])
-        except msgspec.DecodeError:
+        except Exception:  # not a refusal (decoding is total: RecursionError too)
             pass
         else:
             raise VllmRefused(refusal.error)
@@ -115,8 +115,9 @@ def decode_reply(frames: Sequence[bytes], limit: int) -> VllmHandshake:
         payload = _payload_decoder.decode(frames[0])
         metadata = _metadata_decoder.decode(payload.agent_metadata_bytes)
         clock = _clock_decoder.decode(frames[1]) if len(frames) == 2 else None
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-        raise VllmWireError(f"not a vLLM NixlConnector handshake reply: {exc}") from exc
+    except Exception as exc:  # msgspec's errors, RecursionError for nesting, MemoryError
+        raise VllmWireError(f"not a vLLM NixlConnector handshake reply: {type(exc).__name__}: "
+                            f"{exc}") from None
     if clock is not None and not math.isfinite(clock):
         clock = None
     return VllmHandshake(payload.compatibility_hash, metadata, clock)
@@ -236,10 +237,10 @@ def decode_request(frames: Sequence[bytes]) -> tuple[int, int]:
         raise VllmWireError(f"request larger than {MAX_REQUEST_BYTES} bytes")
     try:
         tag, pp_rank, tp_rank = _request_decoder.decode(frames[0])
-    except msgspec.DecodeError as exc:
-        raise VllmWireError(f"not a vLLM metadata request: {exc}") from None
+    except Exception as exc:  # msgspec's errors, or RecursionError for nesting: never raised on
+        raise VllmWireError(f"{type(exc).__name__}: {exc}") from None
     if tag != GET_META:
-        raise VllmWireError(f"not a vLLM metadata request: {tag[:32]!r}")
+        raise VllmWireError(f"unknown request {tag[:32]!r}")
     if pp_rank < 0 or tp_rank < 0:
         raise VllmWireError(f"negative rank ({pp_rank}, {tp_rank})")
     return pp_rank, tp_rank

@@ -9,8 +9,11 @@ closing engine, packed notifications of a merged request, and the push-read mess
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import msgspec
+
+from ._config import MAX_COALESCE_BLOCKS
 
 RESERVED = b"\x00aionixl-"
 PROBE = RESERVED + b"probe\x00"
@@ -58,8 +61,68 @@ PGONE = RESERVED + b"pgone\x00"
 #: unlike PERR, not a word that the reader may reuse what it was landing in.
 PLOST = RESERVED + b"plost\x00"
 PUSH_FAMILY = (PUSH, PCANCEL, PDONE, PERR, PGONE, PLOST)
-#: Longest push request the server decodes (ids are 4 bytes each, two lists).
-MAX_PUSH_REQUEST = 64 << 20
+#: The longest ``notify`` a push request may carry (the reader checks it before asking).
+MAX_PUSH_NOTIFY = 1 << 20
+#: The longest PERR/PLOST payload decoded (a request id and a reason clipped to
+#: ``MAX_REASON`` characters, each up to 4 bytes of UTF-8).
+MAX_REASON = 1000
+MAX_PUSH_ERROR = 4 * MAX_REASON + 64
+#: The most messages one packed notification may carry: a merged request has at most
+#: ``EngineConfig.coalesce_max_blocks`` members, which the config bounds by this.
+MAX_PACKED_MESSAGES = MAX_COALESCE_BLOCKS
+
+# ---- what a peer sends us, decoded totally ------------------------------------------------
+
+#: The kinds of reserved message, by prefix: ``metrics().messages_refused`` counts refused
+#: ones by these names ("reserved": a reserved prefix of no known kind).
+KINDS: dict[bytes, str] = {PROBE: "probe", GOODBYE: "goodbye", MULTI: "multi", TAGGED: "tagged",
+                           PUSH: "push", PCANCEL: "pcancel", PDONE: "pdone", PERR: "perr",
+                           PGONE: "pgone", PLOST: "plost"}
+
+
+#: Every kind ``metrics().messages_refused`` counts: the reserved kinds, "reserved" (a
+#: reserved prefix of no known kind), "relayed" (a reserved message at the agent that
+#: serves vLLM decoders, where peers have no business) and "heartbeat" (vLLM's lease
+#: heartbeat, over its bound).
+REFUSAL_KINDS: tuple[str, ...] = (*KINDS.values(), "reserved", "relayed", "heartbeat")
+
+
+class WireError(ValueError):
+    """A peer's message that does not decode or validate: refused, never raised to callers."""
+
+
+def kind_of(message: bytes) -> str:
+    """The kind of a reserved message (``KINDS``), for counting refusals."""
+    for prefix, kind in KINDS.items():
+        if message.startswith(prefix):
+            return kind
+    return "reserved"
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], payload: bytes | memoryview, limit: int,
+            what: str) -> Any:
+    """Total decoding: the size is checked first, and whatever decoding raises (msgspec's
+    errors, ``RecursionError`` for values nested past the interpreter's recursion limit,
+    ``MemoryError``) becomes a :class:`WireError`."""
+    if len(payload) > limit:
+        raise WireError(f"{what} of {len(payload)} bytes is over its {limit}-byte limit")
+    try:
+        return decoder.decode(payload)
+    except Exception as exc:
+        raise WireError(f"malformed {what}: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _array_length(payload: bytes | memoryview, what: str) -> int:
+    """The length a msgpack array's header announces, read before anything is decoded."""
+    if not payload:
+        raise WireError(f"malformed {what}: empty")
+    head = payload[0]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    size = {0xDC: 2, 0xDD: 4}.get(head)
+    if size is None or len(payload) < 1 + size:
+        raise WireError(f"malformed {what}: not an array")
+    return int.from_bytes(payload[1:1 + size], "big")
 
 
 class PushRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -89,6 +152,10 @@ class PushError(msgspec.Struct, frozen=True, array_like=True):
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(PushRequest)
 _error_decoder = msgspec.msgpack.Decoder(PushError)
+#: Bytes of a push request besides its id lists and ``notify``: the array header, id,
+#: timeout, parts, flags and the reader's incarnation take about 100; the rest is room for
+#: fields later versions may add (decoders skip unknown trailing fields).
+_PUSH_REQUEST_FRAME = 1024
 
 
 def rid_bytes(rid: int) -> bytes:
@@ -112,16 +179,34 @@ def push_request(request: PushRequest) -> bytes:
 
 def push_error(rid: int, reason: str, *, lost: bool = False) -> bytes:
     """PERR (nothing of the read is outstanding), or PLOST with ``lost``."""
-    return (PLOST if lost else PERR) + _encoder.encode(PushError(rid, reason))
+    return (PLOST if lost else PERR) + _encoder.encode(PushError(rid, reason[:MAX_REASON]))
 
 
-def decode_push_request(payload: bytes) -> PushRequest:
-    """Raises ``msgspec.DecodeError`` or ``msgspec.ValidationError`` for a malformed one."""
-    return _request_decoder.decode(payload)
+def max_push_request(ids: int) -> int:
+    """The longest push request a reader naming at most ``ids`` blocks (or staging slots)
+    may send: two int32 lists of that many ids and a ``notify`` of ``MAX_PUSH_NOTIFY``."""
+    return 2 * 4 * ids + MAX_PUSH_NOTIFY + _PUSH_REQUEST_FRAME
 
 
-def decode_push_error(payload: bytes) -> PushError:
-    return _error_decoder.decode(payload)
+def decode_push_request(payload: bytes | memoryview, ids: int) -> PushRequest:
+    """A push request from a reader of at most ``ids`` destination blocks; ``WireError``
+    for one too long for that or malformed."""
+    request: PushRequest = _decode(_request_decoder, payload, max_push_request(ids), "push request")
+    return request
+
+
+def decode_push_error(payload: bytes | memoryview) -> PushError:
+    """A PERR/PLOST payload; ``WireError`` for one too long or malformed."""
+    error: PushError = _decode(_error_decoder, payload, MAX_PUSH_ERROR, "push error")
+    return error
+
+
+def rid_payload(payload: bytes, what: str, incarnation: bool = False) -> int:
+    """The request id a PDONE/PGONE (8 bytes) or, with ``incarnation``, a PCANCEL (8, or
+    16 with the reader's incarnation) payload carries; ``WireError`` for another length."""
+    if len(payload) != 8 and not (incarnation and len(payload) == 16):
+        raise WireError(f"malformed {what}: {len(payload)} bytes")
+    return rid_of(payload)
 
 
 # ---- packed notifications of merged requests ----------------------------------------------
@@ -132,32 +217,36 @@ def pack_notifications(messages: list[bytes]) -> bytes:
 
 
 def unpack_notifications(message: bytes) -> list[bytes]:
-    """The messages packed by :func:`pack_notifications`; [] for anything malformed."""
-    try:
-        messages = _decode_messages(memoryview(message)[len(MULTI):])
-    except msgspec.DecodeError:
-        return []
+    """The messages packed by :func:`pack_notifications`; ``WireError`` for a malformed
+    one, or one announcing more than ``MAX_PACKED_MESSAGES`` (checked before decoding)."""
+    return _messages(memoryview(message)[len(MULTI):])
+
+
+def _messages(packed: memoryview) -> list[bytes]:
+    count = _array_length(packed, "packed notification")
+    if count > MAX_PACKED_MESSAGES:
+        raise WireError(f"packed notification of {count} messages (at most {MAX_PACKED_MESSAGES})")
+    messages: list[bytes] = _decode(_messages_decoder, packed, len(packed), "packed notification")
     return [m for m in messages if not m.startswith(RESERVED)]
 
 
-_decode_messages = msgspec.msgpack.Decoder(list[bytes]).decode
+_messages_decoder = msgspec.msgpack.Decoder(list[bytes])
 
 
 def pack_tagged(tag: int, messages: list[bytes]) -> bytes:
     return TAGGED + _encode_tagged((tag, messages))
 
 
-def unpack_tagged(message: bytes) -> tuple[int, list[bytes]] | None:
-    """The tag and messages packed by :func:`pack_tagged`; None for anything malformed."""
-    try:
-        tag, messages = _decode_tagged(memoryview(message)[len(TAGGED):])
-    except msgspec.DecodeError:
-        return None
-    return tag, [m for m in messages if not m.startswith(RESERVED)]
+def unpack_tagged(message: bytes) -> tuple[int, list[bytes]]:
+    """The tag and messages packed by :func:`pack_tagged`; ``WireError`` as
+    :func:`unpack_notifications`. The messages stay undecoded until the tag is read."""
+    packed = memoryview(message)[len(TAGGED):]
+    tag, raw = _decode(_tagged_decoder, packed, len(packed), "tagged notification")
+    return tag, _messages(memoryview(raw))
 
 
 _encode_tagged = msgspec.msgpack.encode
-_decode_tagged = msgspec.msgpack.Decoder(tuple[int, list[bytes]]).decode
+_tagged_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
 
 
 class SeenTags:
@@ -184,6 +273,9 @@ class SeenTags:
 def goodbye(metadata: bytes) -> bytes:
     """The goodbye of the engine whose NIXL metadata this is (tagged with its digest)."""
     return GOODBYE + hashlib.sha256(metadata).digest()[:16]
+
+
+GOODBYE_BYTES = len(GOODBYE) + 16
 
 
 def user_message(value: object, what: str) -> bytes:

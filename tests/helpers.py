@@ -71,6 +71,14 @@ def free_port() -> int:
 # ---- engine internals ------------------------------------------------------------------------
 
 
+def send_raw(engine: aionixl.Engine, agent_name: str, message: bytes) -> None:
+    """Send ``message`` as it is, reserved prefix and all, from ``engine``'s NIXL agent to
+    the agent ``agent_name`` (one ``engine`` loaded): what a hostile peer can do."""
+    agent = engine._local.agent
+    assert agent is not None
+    agent.send_notif(agent_name, message)
+
+
 #: A stand-in transfer handle: never NIXL's; release_xfer passes it.
 STAND_IN = -1000
 
