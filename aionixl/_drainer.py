@@ -65,7 +65,9 @@ class NotificationDrainer:
         return notes
 
     def _arrived(self) -> Iterator[tuple[str, bytes, bool]]:
-        """(sender, message, relayed) of what arrived at the engine's agent."""
+        """(sender, message, relayed) of what arrived at the engine's agent, then at the
+        agent that serves vLLM decoders from this process (relayed: only their own
+        notifications are taken from it)."""
         agent = self._local.agent
         assert agent is not None
         try:
@@ -76,14 +78,17 @@ class NotificationDrainer:
         for peer_name, messages in notifs.items():
             for message in messages:
                 yield peer_name, message, False
+        for peer_name, messages in self._vllm.poll().items():
+            for message in messages:
+                yield peer_name, message, True
 
     def sort(self, peer_name: str, message: bytes, notes: list[Notification], *,
              relayed: bool = False) -> None:
         """Handle one incoming message that is the engine's own; append those meant for
-        callers to ``notes``. ``relayed``: it reached the agent of a vLLM serving process,
-        whose reserved messages are refused: vLLM decoders pick their agent names
-        themselves, and one could pass for an admitted peer and push, cancel or say goodbye
-        in its name. Nothing a peer sends raises out
+        callers to ``notes``. ``relayed``: it reached an agent that serves vLLM decoders
+        (here or in a serving process), whose reserved messages are refused: those
+        decoders pick their agent names themselves, and one could pass for an admitted
+        peer and push, cancel or say goodbye in its name. Nothing a peer sends raises out
         of here: what cannot be handled is refused and counted."""
         if not message.startswith(RESERVED):
             notes.append(Notification(peer_name, message))

@@ -199,6 +199,8 @@ class Engine:
         if agent is None:
             return dict(self._final_resources)
         counts = agent.live()
+        for key, n in self._vllm_server.live().items():  # the agent serving vLLM decoders
+            counts[key] += n
         counts["in_flight"] = self._inflight.held + len(self._push.reads)
         counts["parked_handles"] = len(self._inflight.parked)
         return counts
@@ -470,6 +472,7 @@ class Engine:
         # does not stop a GET under way and a server that did not confirm may still push.
         self._tell_callers_closed()
         self._peers.drop_all(problems)
+        self._vllm_server.release(problems)  # the agent vLLM decoders read from, if in this process
         if local.dlist >= 0:
             try:
                 agent.release_dlist(local.dlist)

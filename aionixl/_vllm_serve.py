@@ -1,13 +1,22 @@
 """Serving vLLM decode workers: vLLM's side channel answered from the event loop.
 
 A vLLM NixlConnector decode worker asks a prefill's side channel for rank (pp, tp)'s
-metadata (one REQ frame) before it reads. This listener answers with this engine's NIXL
-agent metadata and regions in vLLM's form (:func:`aionixl._vllm_wire.serving_metadata`);
-the decode then reads the blocks itself (NIXL READ), and its completion notification and
-heartbeats arrive through the drainer, where the engine's leases take them. Unlike vLLM's
-own listener thread, this one never dies on bad input: a request it cannot serve (another
-rank, garbage) gets a one-frame refusal, and the socket refuses oversized messages. It is a
-task of the engine's task group and stops with it.
+metadata (one REQ frame) before it reads. This listener answers with the metadata of a
+NIXL agent that serves them and the regions in vLLM's form
+(:func:`aionixl._vllm_wire.serving_metadata`); the decode then reads the blocks itself
+(NIXL READ), and its completion notification and heartbeats are relayed to the engine,
+where its leases take them. Unlike vLLM's own listener thread, this one never dies on bad
+input: a request it cannot serve (another rank, garbage) gets a one-frame refusal, and the
+socket refuses oversized messages. It is a task of the engine's task group and stops with it.
+
+The serving agent is never the engine's own. vLLM's side channel has no authentication,
+and NIXL names a notification's sender by the name the sending agent chose: a client that
+held the engine's own metadata could send it reserved messages in an admitted peer's name
+(push, cancel, confirm a read that never landed). So decoders read from a second agent over
+the same memory: :class:`ServingAgent` in this process, or a serving child's
+(``isolate=True``, :mod:`aionixl._vllm_sidecar`). What reaches either is relayed with its
+reserved messages refused, and the engine's own metadata goes only to peers that completed
+aionixl's handshake.
 """
 
 from __future__ import annotations
@@ -25,10 +34,12 @@ from . import _protocol as proto
 from . import _zmq
 from ._checks import check_int
 from ._config import EngineConfig
-from ._errors import ListenError
+from ._errors import AionixlError, ListenError
 from ._lifecycle import LocalSide
+from ._nixl import Agent
 from ._notifications import Notification
 from ._ratelimit import RateLimitedLog
+from ._regions import registration_spans
 from ._shared import locate_all
 from ._vllm_sidecar import Served, Sidecar
 from ._vllm_wire import (
@@ -42,6 +53,42 @@ from ._vllm_wire import (
 )
 
 log = logging.getLogger("aionixl")
+
+
+class ServingAgent:
+    """The NIXL agent that serves vLLM decoders from this process: the engine's regions
+    registered with an agent of their own (see the module docstring), progressed by the
+    engine's drainer through :meth:`poll`."""
+
+    def __init__(self, local: LocalSide, backends: tuple[str, ...]) -> None:
+        agent = Agent(f"{local.name}-vllm", backends, progress_thread=False)
+        try:
+            agent.register(registration_spans(local.regions), local.mem_type)
+        except BaseException:
+            agent.destroy()
+            raise
+        self._agent: Agent | None = agent
+        self.metadata = agent.metadata()
+
+    def poll(self) -> Mapping[str, list[bytes]]:
+        """One NIXL progress call (a decoder's read over UCX TCP needs its target to make
+        progress); the notifications that arrived, by sender."""
+        return {} if self._agent is None else self._agent.get_notifs()
+
+    def live(self) -> dict[str, int]:
+        return {} if self._agent is None else self._agent.live()
+
+    def release(self, problems: list[str]) -> None:
+        """Deregister and drop the agent (idempotent); what failed goes to ``problems``."""
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        try:
+            agent.deregister_all()
+        except AionixlError as exc:
+            problems.append(str(exc))
+        if not agent.destroy():
+            problems.append(f"NIXL agent {agent.name!r} outlived its release")
 
 
 class VllmServer:
@@ -66,9 +113,11 @@ class VllmServer:
         self.engine_id: str | None = None
         #: True once configured (one side channel per engine).
         self.configured = False
-        #: True while decode workers read from this process's agent (not isolated): the
-        #: drainer then keeps NIXL progressing even with no peer of our own.
+        #: True while decode workers read from this process (not isolated): the drainer
+        #: then keeps NIXL progressing even with no peer of our own.
         self.serving = False
+        #: Without ``isolate``: the agent decoders read from, in this process.
+        self.agent: ServingAgent | None = None
         #: With ``isolate``: the child process decoders read from.
         self.sidecar: Sidecar | None = None
         self.answered = self.refused = 0
@@ -105,6 +154,8 @@ class VllmServer:
                                    deliver=self._deliver, on_ready=self._served, on_down=self._down,
                                    noisy=self._noisy)
         else:
+            self.agent = ServingAgent(self._local, self._config.backends)
+            payload = describe(engine_id, self.agent.metadata, ours)
             self._payload, self.engine_id, self.serving = payload, engine_id, True
             if not self._rdma:
                 log.warning("engine %r serves vLLM decoders from its own process on a host without "
@@ -122,8 +173,35 @@ class VllmServer:
         """Undo :meth:`configure` after a failed start (a later call may try again)."""
         if self.sidecar is not None:
             self.sidecar.stop()
+        problems: list[str] = []
+        self.release(problems)
+        if problems:
+            log.error("engine %r: releasing its vLLM serving agent: %s", self._local.name,
+                      "; ".join(problems))
         self.sidecar, self._payload, self.engine_id = None, b"", None
         self.configured = self.serving = False
+
+    def live(self) -> dict[str, int]:
+        """What the serving agent in this process holds (``Engine.live_resources``)."""
+        return {} if self.agent is None else self.agent.live()
+
+    def poll(self) -> Mapping[str, list[bytes]]:
+        """What vLLM decoders sent the serving agent in this process since the last call
+        (nothing when it serves from a child, whose notifications arrive on its own)."""
+        if self.agent is None:
+            return {}
+        try:
+            return self.agent.poll()
+        except AionixlError as exc:
+            self._noisy.log(logging.WARNING, "vllm-notifs", "reading the vLLM serving agent's "
+                            "notifications failed: %s", exc)
+            return {}
+
+    def release(self, problems: list[str]) -> None:
+        """Closing: the serving agent in this process goes (decoders can no longer read)."""
+        if self.agent is not None:
+            self.agent.release(problems)
+            self.agent = None
 
     def _served(self, served: Served) -> None:
         """A serving child is up: answer with its agent and addresses. A replacement gets

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.vllm
 from aionixl import _wire
+from aionixl._nixl import Agent, metadata_agent_name
 from aionixl.testing import RemoteEngine, assert_blocks_equal
 
 from .helpers import numpy_cache, send_raw, unique
@@ -153,6 +155,39 @@ async def test_a_message_nested_past_the_recursion_limit_is_refused_and_the_engi
         await s.read_exactly(rng)
         assert not s.target.closed
         assert s.target.metrics().messages_refused == {**dict.fromkeys(_wire.REFUSAL_KINDS, 0), kind: 1}
+
+
+async def test_an_unauthenticated_side_channel_client_cannot_reach_the_engines_own_handling() -> None:
+    """vLLM's side channel has no authentication: a bare NIXL agent that asked it for
+    metadata gets a serving agent's, never the engine's, and the reserved messages it sends
+    there (in an admitted peer's very name) are refused, whatever they are."""
+    rng = np.random.default_rng(1)
+    async with scene() as s:
+        address = await s.target.serve_vllm(engine_id="prefill-0", compat_hash="c0ffee" * 8, block_size=16,
+                                            kv_cache_layout="LBHNC", attn_backend_name="CPU_ATTN")
+        reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
+        served = reply.metadata.agent_metadata
+        assert served != s.target.nixl_metadata()
+        served_name = metadata_agent_name(served)
+        assert served_name is not None and served_name != s.target.name
+        # The intruder names its agent after the honest peer: NIXL takes a sender's word.
+        intruder = Agent(s.honest.name, ("UCX",), progress_thread=False)
+        try:
+            intruder.add_remote(served, served_name)
+            messages = [*NESTED.values(), _wire.goodbye(s.honest.nixl_metadata()),
+                        _wire.PDONE + _wire.rid_bytes(1), _wire.push_error(1, "stop", lost=True),
+                        _wire.push_request(push_request())]
+            for message in messages:
+                intruder.send_notif(served_name, message)
+            # (an initiator's sends move while it calls into NIXL)
+            await until(lambda: not intruder.get_notifs() and s.refused("relayed") == len(messages),
+                        "every message refused")
+        finally:
+            intruder.remove_remote(served_name)
+            intruder.destroy()
+        await s.read_exactly(rng)
+        assert not s.target.closed and s.honest_peer.connected  # the goodbye did not drop it
+        assert sum(s.target.metrics().messages_refused.values()) == len(messages)
 
 
 async def test_a_push_request_for_parts_of_too_many_segments_is_refused_before_anything_is_prepared(

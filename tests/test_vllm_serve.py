@@ -21,6 +21,7 @@ import zmq
 import aionixl
 import aionixl.vllm
 from aionixl import _vllm_wire as wire
+from aionixl._nixl import metadata_agent_name
 
 from .helpers import numpy_cache, zero_resources
 
@@ -67,7 +68,10 @@ async def test_the_reply_describes_the_engine_as_a_vllm_prefill() -> None:
         assert md.kv_caches_base_addr == [r.base for r in prefill.regions]
         assert md.block_lens == md.block_strides == [BLOCK_BYTES] * REGIONS
         assert md.num_blocks == BLOCKS and md.region_mem_types == ["DRAM"] * REGIONS
-        assert md.agent_metadata == prefill.nixl_metadata()
+        # A serving agent of its own over the same memory: never the engine's own agent
+        # (an unauthenticated client could otherwise message it in a peer's name).
+        assert md.agent_metadata != prefill.nixl_metadata()
+        assert metadata_agent_name(md.agent_metadata) == "p-vllm"
         assert reply.remote_clock is not None and before <= reply.remote_clock <= time.perf_counter()
 
 
