@@ -6,7 +6,7 @@
 """
 
 from ._config import EngineConfig
-from ._discovery import DiscoveryEvent, EngineRecord, EtcdDiscovery
+from ._discovery import Discovery, DiscoveryEvent, EngineRecord, EtcdDiscovery
 from ._engine import Engine, Peer, TransferResult
 from ._errors import (
     AionixlError,
@@ -28,6 +28,7 @@ from ._shared import shared_dram
 __all__ = [
     "AionixlError",
     "BlockPart",
+    "Discovery",
     "DiscoveryError",
     "DiscoveryEvent",
     "Engine",

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from ._config import EngineConfig
+from ._config import EngineConfig, Tuning
 from ._errors import (
     AionixlError,
     EngineClosedError,
@@ -157,7 +157,8 @@ _WAKE_CHUNK = 128
 class Coalescer:
     """The merged requests of one engine: gathering, posting, members waiting and leaving."""
 
-    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, tuning: Tuning,
+                 peers: PeerTable,
                  table: InFlightTable, direct: DirectPath, metrics: TransferMetrics[TransferResult],
                  turns: LoopTurns) -> None:
         self._local = local
@@ -168,11 +169,12 @@ class Coalescer:
         self._turns = turns
         self.metrics = metrics
         self._config = config
-        self._inline_polls = config.inline_polls
+        self._tuning = tuning
+        self._inline_polls = tuning.inline_polls
         self._bytes_per_block = local.bytes_per_block
         self._offsets = local.offsets
-        self.max_blocks = config.coalesce_max_blocks
-        self._window = config.coalesce_window
+        self.max_blocks = tuning.coalesce_max_blocks
+        self._window = tuning.coalesce_window
         #: Merged requests still gathering members, by (peer, op), oldest first. A caller
         #: whose destination block one of them already writes opens another (never the
         #: same block twice in one request), and the callers after it join whichever has

@@ -1,11 +1,16 @@
-"""Every tunable of an engine, with defaults that suit a server on one host."""
+"""An engine's settings: user policy (:class:`EngineConfig`) and performance tunables
+(:class:`Tuning`, public as ``aionixl.lowlevel.Tuning``), with defaults that suit a server
+on one host."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 
 def _mapping() -> Mapping[str, str]:
@@ -18,18 +23,39 @@ def _mapping() -> Mapping[str, str]:
 MAX_COALESCE_BLOCKS = 1 << 16
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineConfig:
-    """Engine settings. All times are in seconds.
+def _check_seconds(values: Mapping[str, object], *, finite: tuple[str, ...] = ()) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if name in finite and math.isinf(value):
+            raise ValueError(f"{name} must be finite")
 
-    ``transfer_timeout`` is the deadline a ``transfer_blocks`` call gets when it passes
-    ``timeout=None``; ``math.inf`` disables it. The polling intervals trade idle CPU for
-    latency: the engine polls NIXL every event-loop turn while transfers are in flight, and
-    backs off to ``notification_poll_interval`` while someone waits for a notification, and
-    to ``idle_poll_interval`` when nothing at all is happening.
+
+def _check_ints(values: Mapping[str, object], least: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def _check_bools(values: Mapping[str, object]) -> None:
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuning:
+    """Performance tunables and test seams (``aionixl.lowlevel.Tuning``; pass it as
+    ``Engine(..., tuning=)``). The defaults are measured ones (docs/progress-and-idle-cpu.md,
+    docs/coalescing.md, docs/read-modes.md); these names may change between releases,
+    unlike :class:`EngineConfig`'s. All times are in seconds.
+
+    The polling intervals trade idle CPU for latency: the engine polls NIXL every event-loop
+    turn while transfers are in flight, and backs off to ``notification_poll_interval``
+    while someone waits for a notification, and to ``idle_poll_interval`` when nothing at
+    all is happening.
     """
 
-    backends: tuple[str, ...] = ("UCX",)
     #: Let NIXL run its own progress thread. Off by default: the engine drives progress.
     nixl_progress_thread: bool = False
     #: Create the agent with NIXL's per-request telemetry and take ``TransferResult``'s
@@ -37,38 +63,16 @@ class EngineConfig:
     #: descriptors counted after merging). Off by default: reading it costs about 1.5 us per
     #: transfer (measured; docs/metrics.md); the engine's clock stands in.
     nixl_telemetry: bool = False
-    #: Extra compatibility keys (model, dtype, layout...) that must match on both sides.
-    compat: Mapping[str, str] = field(default_factory=_mapping)
-    #: Refuse peers (``connect``, the listener, ``connect_vllm``) whose bytes per block
-    #: differ from ours in any region, with ``IncompatiblePeerError`` (``.field``
-    #: ``"bytes_per_block[i]"``). Off by default: such peers are admitted, and parts of
-    #: blocks (``aionixl.BlockPart``) move between them; whole blocks of different sizes are
-    #: refused per transfer. The region count must match either way.
-    require_equal_geometry: bool = False
-    transfer_timeout: float = 60.0
-    #: How long ``aclose()`` may spend releasing NIXL resources before it reports leaks.
-    close_timeout: float = 5.0
     #: How long ``aclose()`` lets this engine's transfers under way finish before it
     #: cancels them (their callers then get ``EngineClosedError``); within ``close_timeout``.
     close_grace: float = 0.5
     #: Notifications kept for nobody-waiting-yet; past it the oldest one is dropped.
     max_pending_notifications: int = 4096
-    #: The bytes their messages may hold together, so that a peer sending large ones cannot
-    #: grow memory past it; past it the oldest are dropped (the newest is always kept).
-    max_pending_notification_bytes: int = 16 << 20
-    #: A secret shared by the engines that may connect to each other. When set, every
-    #: handshake message carries an HMAC-SHA256 tag of it and messages without the right
-    #: tag are refused before anything in them reaches NIXL. Set it wherever untrusted
-    #: hosts can reach the listener: NIXL/UCX can crash the process on crafted metadata.
-    handshake_secret: bytes | None = field(default=None, repr=False)
     #: Largest handshake message accepted or sent.
     max_handshake_bytes: int = 16 * 1024 * 1024
-    #: Extra handshake attempts ``connect()`` makes after one fails (no answer within
-    #: ``connect_attempt_timeout``, a NIXL connection error, a peer that is busy or
-    #: draining), all within the call's ``timeout``; the pause between attempts starts at
-    #: ``connect_backoff`` and doubles up to 1 s. Refusals that cannot change
-    #: (incompatible, wrong version, not aionixl) are never retried.
-    connect_retries: int = 0
+    #: The pause between ``connect()`` attempts (``EngineConfig.connect_retries``) starts at
+    #: ``connect_backoff`` and doubles up to 1 s; an attempt waits ``connect_attempt_timeout``
+    #: for an answer.
     connect_backoff: float = 0.05
     connect_attempt_timeout: float = 2.0
     idle_poll_interval: float = 0.1
@@ -79,10 +83,6 @@ class EngineConfig:
     #: ``check_xfer_state`` calls made inline right after a post, before handing the
     #: transfer to the poller task. Saves a trip through the event loop for short transfers.
     inline_polls: int = 4
-    #: Merge concurrent ``transfer_blocks`` calls to one peer with the same op into one
-    #: NIXL request when they arrive together (see docs/coalescing.md). A lone
-    #: caller never waits for company.
-    coalesce: bool = True
     #: The most blocks one merged request carries; callers beyond it start another (at
     #: most 65536).
     coalesce_max_blocks: int = 4096
@@ -95,12 +95,6 @@ class EngineConfig:
     #: one gathers a merged request (one trip through the event loop) instead of posting
     #: alone. A caller looping on its own never gathers, whatever the window.
     coalesce_window: float = 0.001
-    #: How ``transfer_blocks(op="read")`` moves data: ``"get"`` (a one-sided NIXL READ),
-    #: ``"push"`` (the peer's engine WRITEs the blocks into ours; see docs/read-modes.md),
-    #: or ``"auto"``: GET where the path supports it natively (one host with shared memory
-    #: allowed on both sides, or RDMA on both), push otherwise (UCX over TCP). Decided per
-    #: peer at the handshake; ``Peer.read_mode`` says what was chosen.
-    read_mode: Literal["auto", "get", "push"] = "auto"
     #: A push is written in NIXL WRITEs of about this many bytes, one after another: how
     #: long a cancelled push may keep writing before the server confirms it stopped.
     push_chunk_bytes: int = 8 << 20
@@ -112,6 +106,82 @@ class EngineConfig:
     #: Push reads one peer may have open on this engine (as the serving side); more are
     #: refused with a TransferError at the reader.
     max_pushes_per_peer: int = 1024
+
+    def __post_init__(self) -> None:
+        _check_bools({"nixl_progress_thread": self.nixl_progress_thread,
+                      "nixl_telemetry": self.nixl_telemetry})
+        _check_seconds({"close_grace": self.close_grace, "connect_backoff": self.connect_backoff,
+                        "connect_attempt_timeout": self.connect_attempt_timeout,
+                        "idle_poll_interval": self.idle_poll_interval,
+                        "peer_probe_interval": self.peer_probe_interval,
+                        "notification_poll_interval": self.notification_poll_interval,
+                        "push_cancel_timeout": self.push_cancel_timeout},
+                       finite=("push_cancel_timeout",))
+        _check_ints({"max_pending_notifications": self.max_pending_notifications,
+                     "max_handshake_bytes": self.max_handshake_bytes,
+                     "coalesce_max_blocks": self.coalesce_max_blocks,
+                     "coalesce_max_call_bytes": self.coalesce_max_call_bytes,
+                     "push_chunk_bytes": self.push_chunk_bytes,
+                     "max_pushes_per_peer": self.max_pushes_per_peer}, 1)
+        _check_ints({"inline_polls": self.inline_polls}, 0)
+        if self.coalesce_max_blocks > MAX_COALESCE_BLOCKS:
+            raise ValueError(f"coalesce_max_blocks must be at most {MAX_COALESCE_BLOCKS}, "
+                             f"got {self.coalesce_max_blocks!r}")
+        window = self.coalesce_window
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
+            raise ValueError(f"coalesce_window must be a finite number of seconds >= 0, got {window!r}")
+
+
+#: The names ``EngineConfig`` took before they moved to :class:`Tuning` (0.1.0); they
+#: still work there, with a ``DeprecationWarning``, until 0.3.
+MOVED_TO_TUNING: frozenset[str] = frozenset(f.name for f in dataclasses.fields(Tuning))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """What an engine lets in, how long it waits, and what it may hold. All times are in
+    seconds. Performance tunables are ``aionixl.lowlevel.Tuning``'s.
+
+    ``transfer_timeout`` is the deadline a ``transfer_blocks`` call gets when it passes
+    ``timeout=None``; ``math.inf`` disables it.
+    """
+
+    backends: tuple[str, ...] = ("UCX",)
+    #: Extra compatibility keys (model, dtype, layout...) that must match on both sides.
+    compat: Mapping[str, str] = field(default_factory=_mapping)
+    #: Refuse peers (``connect``, the listener, ``connect_vllm``) whose bytes per block
+    #: differ from ours in any region, with ``IncompatiblePeerError`` (``.field``
+    #: ``"bytes_per_block[i]"``). Off by default: such peers are admitted, and parts of
+    #: blocks (``aionixl.BlockPart``) move between them; whole blocks of different sizes are
+    #: refused per transfer. The region count must match either way.
+    require_equal_geometry: bool = False
+    transfer_timeout: float = 60.0
+    #: How long ``aclose()`` may spend releasing NIXL resources before it reports leaks.
+    close_timeout: float = 5.0
+    #: The bytes the messages of notifications kept for nobody-waiting-yet may hold
+    #: together, so that a peer sending large ones cannot grow memory past it; past it the
+    #: oldest are dropped (the newest is always kept).
+    max_pending_notification_bytes: int = 16 << 20
+    #: A secret shared by the engines that may connect to each other. When set, every
+    #: handshake message carries an HMAC-SHA256 tag of it and messages without the right
+    #: tag are refused before anything in them reaches NIXL. Set it wherever untrusted
+    #: hosts can reach the listener: NIXL/UCX can crash the process on crafted metadata.
+    handshake_secret: bytes | None = field(default=None, repr=False)
+    #: Extra handshake attempts ``connect()`` makes after one fails (no answer in time, a
+    #: NIXL connection error, a peer that is busy or draining), all within the call's
+    #: ``timeout``. Refusals that cannot change (incompatible, wrong version, not aionixl)
+    #: are never retried.
+    connect_retries: int = 0
+    #: Merge concurrent ``transfer_blocks`` calls to one peer with the same op into one
+    #: NIXL request when they arrive together (see docs/coalescing.md). A lone
+    #: caller never waits for company.
+    coalesce: bool = True
+    #: How ``transfer_blocks(op="read")`` moves data: ``"get"`` (a one-sided NIXL READ),
+    #: ``"push"`` (the peer's engine WRITEs the blocks into ours; see docs/read-modes.md),
+    #: or ``"auto"``: GET where the path supports it natively (one host with shared memory
+    #: allowed on both sides, or RDMA on both), push otherwise (UCX over TCP). Decided per
+    #: peer at the handshake; ``Peer.read_mode`` says what was chosen.
+    read_mode: Literal["auto", "get", "push"] = "auto"
     #: Bytes of staging slots for push reads (one block of every region per slot; at
     #: least one slot, at most 4096 and the engine's blocks; DRAM engines only; 0: none).
     #: A push read lands in these slots and is copied into the caller's blocks once
@@ -119,6 +189,14 @@ class EngineConfig:
     #: (docs/read-modes.md). A round takes at most half of the slots, so larger reads go
     #: in rounds; concurrent push reads share them, first come first served.
     push_staging_bytes: int = 64 << 20
+
+    if not TYPE_CHECKING:  # (type checkers see the fields only)
+        def __getattr__(self, name: str) -> Any:
+            """A name that moved to :class:`Tuning`, read here: its value, with a warning."""
+            if name not in MOVED_TO_TUNING:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            _warn_moved(name, stacklevel=3)
+            return self.__dict__.get("_moved", {}).get(name, _TUNING_DEFAULTS[name])
 
     def __post_init__(self) -> None:
         if not self.backends or not all(isinstance(b, str) and b for b in self.backends):
@@ -128,57 +206,53 @@ class EngineConfig:
             if not isinstance(key, str) or not isinstance(text, str):
                 raise ValueError("compat must map str to str")
         object.__setattr__(self, "compat", dict(self.compat))
-        positive: dict[str, float] = {
-            "transfer_timeout": self.transfer_timeout,
-            "close_timeout": self.close_timeout,
-            "close_grace": self.close_grace,
-            "idle_poll_interval": self.idle_poll_interval,
-            "notification_poll_interval": self.notification_poll_interval,
-            "connect_backoff": self.connect_backoff,
-            "peer_probe_interval": self.peer_probe_interval,
-            "connect_attempt_timeout": self.connect_attempt_timeout,
-            "push_cancel_timeout": self.push_cancel_timeout,
-        }
-        for name, value in positive.items():
-            if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        _check_seconds({"transfer_timeout": self.transfer_timeout, "close_timeout": self.close_timeout})
         if math.isinf(self.close_timeout):
             raise ValueError("close_timeout must be finite: aclose() is always bounded")
-        counts: dict[str, int] = {
-            "max_pending_notifications": self.max_pending_notifications,
-            "max_pending_notification_bytes": self.max_pending_notification_bytes,
-            "max_handshake_bytes": self.max_handshake_bytes,
-            "coalesce_max_blocks": self.coalesce_max_blocks,
-            "coalesce_max_call_bytes": self.coalesce_max_call_bytes,
-            "push_chunk_bytes": self.push_chunk_bytes,
-            "max_pushes_per_peer": self.max_pushes_per_peer,
-        }
-        for name, value in counts.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.coalesce_max_blocks > MAX_COALESCE_BLOCKS:
-            raise ValueError(f"coalesce_max_blocks must be at most {MAX_COALESCE_BLOCKS}, "
-                             f"got {self.coalesce_max_blocks!r}")
-        if not isinstance(self.push_staging_bytes, int) or isinstance(self.push_staging_bytes, bool) \
-                or self.push_staging_bytes < 0:
-            raise ValueError(f"push_staging_bytes must be an int >= 0, got {self.push_staging_bytes!r}")
-        if not isinstance(self.connect_retries, int) or isinstance(self.connect_retries, bool) \
-                or self.connect_retries < 0:
-            raise ValueError(f"connect_retries must be an int >= 0, got {self.connect_retries!r}")
+        _check_ints({"max_pending_notification_bytes": self.max_pending_notification_bytes}, 1)
+        _check_ints({"push_staging_bytes": self.push_staging_bytes,
+                     "connect_retries": self.connect_retries}, 0)
         if self.handshake_secret is not None and (
                 not isinstance(self.handshake_secret, bytes) or len(self.handshake_secret) < 16):
             raise ValueError("handshake_secret must be bytes of at least 16 bytes, or None")
-        if not isinstance(self.coalesce_window, (int, float)) or isinstance(self.coalesce_window, bool) \
-                or not 0 <= self.coalesce_window < math.inf:
-            raise ValueError(f"coalesce_window must be a finite number of seconds >= 0, "
-                             f"got {self.coalesce_window!r}")
-        if not isinstance(self.require_equal_geometry, bool):
-            raise ValueError(f"require_equal_geometry must be a bool, got {self.require_equal_geometry!r}")
-        if not isinstance(self.coalesce, bool):
-            raise ValueError(f"coalesce must be a bool, got {self.coalesce!r}")
+        _check_bools({"require_equal_geometry": self.require_equal_geometry, "coalesce": self.coalesce})
         if self.read_mode not in ("auto", "get", "push"):
             raise ValueError(f"read_mode must be 'auto', 'get' or 'push', got {self.read_mode!r}")
-        if math.isinf(self.push_cancel_timeout):
-            raise ValueError("push_cancel_timeout must be finite")
-        if not isinstance(self.inline_polls, int) or self.inline_polls < 0:
-            raise ValueError(f"inline_polls must be an int >= 0, got {self.inline_polls!r}")
+
+
+
+def effective_tuning(config: EngineConfig, tuning: Tuning | None) -> Tuning:
+    """``tuning`` (default ``Tuning()``) with the values ``config`` was given under names
+    that moved to :class:`Tuning` (deprecated), which win."""
+    moved: dict[str, Any] = config.__dict__.get("_moved", {})
+    base = Tuning() if tuning is None else tuning
+    return dataclasses.replace(base, **moved) if moved else base
+
+
+_TUNING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Tuning)}
+
+
+def _warn_moved(name: str, stacklevel: int) -> None:
+    warnings.warn(f"EngineConfig.{name} moved to aionixl.lowlevel.Tuning: pass "
+                  f"Engine(..., tuning=aionixl.lowlevel.Tuning({name}=...)); the EngineConfig name "
+                  "goes in 0.3", DeprecationWarning, stacklevel=stacklevel)
+
+
+def _accepting_moved_names(init: Callable[..., None]) -> Callable[..., None]:
+    """``EngineConfig(...)`` still takes the names that moved to :class:`Tuning` (with a
+    ``DeprecationWarning``); their values are checked by ``Tuning`` and kept aside."""
+
+    @functools.wraps(init)
+    def __init__(self: EngineConfig, **kwargs: Any) -> None:
+        moved = {name: kwargs.pop(name) for name in [k for k in kwargs if k in MOVED_TO_TUNING]}
+        init(self, **kwargs)
+        if moved:
+            for name in moved:
+                _warn_moved(name, stacklevel=3)
+            Tuning(**moved)  # checks them now, as the fields were checked
+            object.__setattr__(self, "_moved", moved)
+
+    return __init__
+
+
+EngineConfig.__init__ = _accepting_moved_names(EngineConfig.__init__)  # type: ignore[method-assign]

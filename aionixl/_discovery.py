@@ -20,10 +20,10 @@ import base64
 import json
 import logging
 import math
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import anyio
 import anyio.abc
@@ -121,6 +121,68 @@ class DiscoveryEvent:
     record: EngineRecord | None = None
 
 
+@runtime_checkable
+class Discovery(Protocol):
+    """A registry engines register in and find each other through (``Engine(discovery=)``).
+
+    :class:`EtcdDiscovery` is one; another registry implements these members and needs no
+    change of the engine. The engine calls them in this order: :meth:`open` as it opens;
+    :meth:`register` once it listens; :meth:`keep_alive` as one of its tasks until it
+    closes; :meth:`lookup` for ``Engine.connect_to``; :meth:`close` as it closes. Users call
+    :meth:`lookup`, :meth:`records` and :meth:`watch`. ``metrics()`` reports the three counters.
+    """
+
+    @property
+    def registered(self) -> bool:
+        """Whether the engine's registration is believed to be live now."""
+        ...
+
+    @property
+    def registrations(self) -> int:
+        """Registrations made (1 after a clean start; more after the registry lost one)."""
+        ...
+
+    @property
+    def keepalive_failures(self) -> int:
+        """Keep-alive or re-registration attempts that failed."""
+        ...
+
+    def open(self, owner: str, task_group: anyio.abc.TaskGroup) -> None:
+        """Start, for the engine named ``owner``: background work (watches) goes into
+        ``task_group``, which ends as the engine closes. ``RuntimeError`` when used already."""
+        ...
+
+    async def register(self, record: EngineRecord) -> None:
+        """Register ``record`` (its ``address`` is the endpoint the engine bound; the
+        registry registers the one peers should use). ``DiscoveryError`` when the name is
+        taken by a live engine or the registry does not answer."""
+        ...
+
+    async def keep_alive(self) -> None:
+        """Keep the registration alive until cancelled, registering again if the registry
+        lost it; failures are retried (logged and counted), never raised."""
+        ...
+
+    async def lookup(self, name: str, timeout: float = 10.0) -> EngineRecord:
+        """The record of the engine named ``name``, waiting up to ``timeout`` seconds for it
+        to register; ``DiscoveryError`` when it did not."""
+        ...
+
+    async def records(self) -> dict[str, EngineRecord]:
+        """Every engine registered now, by name."""
+        ...
+
+    def watch(self, *, existing: bool = True) -> AsyncIterator[DiscoveryEvent]:
+        """Joins and leaves of engines as they happen (first a join for each one registered
+        now, with ``existing``); it ends when the registry closes."""
+        ...
+
+    async def close(self, deadline: float) -> None:
+        """Withdraw the registration and end every watch, by ``deadline`` (anyio's clock);
+        never raises."""
+        ...
+
+
 class EtcdDiscovery:
     """Engines register and find each other by name in etcd (v3, through its JSON gateway).
 
@@ -175,6 +237,7 @@ class EtcdDiscovery:
         self.keepalive_failures = 0
         #: Watch streams re-opened after an error or a silence of ``watch_idle``.
         self.watch_reconnects = 0
+        self._noisy = RateLimitedLog(log)
 
     def __repr__(self) -> str:
         return f"EtcdDiscovery({self._endpoints!r}, prefix={self._prefix.decode()!r}, ttl={self._ttl})"
@@ -217,7 +280,7 @@ class EtcdDiscovery:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         try:
-            self._open(None, tg)
+            self.open("", tg)
         except BaseException:
             await tg.__aexit__(None, None, None)
             raise
@@ -227,22 +290,23 @@ class EtcdDiscovery:
     async def __aexit__(self, *exc_info: object) -> None:
         tg, self._own_tg = self._own_tg, None
         try:
-            await self._close(anyio.current_time() + self._timeout)
+            await self.close(anyio.current_time() + self._timeout)
         finally:
             if tg is not None:
                 tg.cancel_scope.cancel()
                 await tg.__aexit__(None, None, None)
 
-    def _open(self, owner: str | None, tg: anyio.abc.TaskGroup) -> None:
-        """Start using it: requests from now on, watch tasks in ``tg``."""
+    def open(self, owner: str, task_group: anyio.abc.TaskGroup) -> None:
+        """Start using it (for the engine ``owner``; "" on its own): requests from now on,
+        watch tasks in ``task_group``."""
         if self._client is not None or self._closed:
             raise RuntimeError(f"{self!r} is in use already (one engine per EtcdDiscovery, opened once)")
         hx = _httpx()
-        self._owner = owner
-        self._tg = tg
+        self._owner = owner or None
+        self._tg = task_group
         self._client = hx.AsyncClient(timeout=hx.Timeout(self._timeout), trust_env=False)
 
-    async def _close(self, deadline: float) -> None:
+    async def close(self, deadline: float) -> None:
         """Revoke the lease (its key goes at once), end every watch, close the client; each
         bounded by ``deadline`` (anyio's clock). Never raises for etcd's sake."""
         self._closed = True
@@ -307,9 +371,12 @@ class EtcdDiscovery:
 
     # ---- the engine's registration ------------------------------------------------------------
 
+    async def register(self, record: EngineRecord) -> None:
+        """Grant a lease and put ``record`` under it, at its :meth:`advertised` address,
+        unless a live engine holds the name (``DiscoveryError``; so does etcd not answering)."""
+        await self._register(replace(record, address=self.advertised(record.address)))
+
     async def _register(self, record: EngineRecord) -> None:
-        """Grant a lease and put ``record`` under it, unless a live engine holds the name
-        (``DiscoveryError``; so does etcd not answering)."""
         reply = await self._post("/v3/lease/grant", {"TTL": self._ttl})
         lease = int(reply["ID"])
         key = _b64(self._key(record.name))
@@ -347,7 +414,7 @@ class EtcdDiscovery:
         result = reply.get("result", reply)
         return int(result.get("TTL", 0)) > 0
 
-    async def _keep_alive(self, noisy: RateLimitedLog) -> None:
+    async def keep_alive(self) -> None:
         """Keep the registration alive, forever (a task of the engine's): refresh the lease
         every ttl / 3; on failure retry with backoff, logged (rate-limited) and counted; when
         the lease is gone (etcd lost it, or it lapsed while etcd was out of reach) register
@@ -370,7 +437,7 @@ class EtcdDiscovery:
                     continue
             except DiscoveryError as exc:
                 self.keepalive_failures += 1
-                noisy.log(logging.WARNING, "discovery-keepalive",
+                self._noisy.log(logging.WARNING, "discovery-keepalive",
                           "engine %r: etcd keep-alive failed (%d so far; still serving peers, retrying "
                           "in %.2f s): %s", record.name, self.keepalive_failures, backoff, exc)
                 delay, backoff = backoff, min(backoff * 2, interval)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import anyio
 import anyio.lowlevel
 
-from ._config import EngineConfig
+from ._config import Tuning
 from ._errors import AionixlError
 from ._inflight import InFlightTable
 from ._leases import LeaseTable
@@ -35,11 +35,11 @@ SLICE = 512
 class NotificationDrainer:
     """One task per engine; :meth:`wake` ends its current back-off sleep."""
 
-    def __init__(self, local: LocalSide, config: EngineConfig, deliver: Callable[[Notification], None],
+    def __init__(self, local: LocalSide, tuning: Tuning, deliver: Callable[[Notification], None],
                  mailbox: Mailbox, leases: LeaseTable, peers: PeerTable, table: InFlightTable,
                  push: Pusher, vllm: VllmServer, noisy: RateLimitedLog, refusals: Refusals) -> None:
         self._local = local
-        self._config = config
+        self._tuning = tuning
         self._deliver = deliver  # to a lease (read-dones, heartbeats) or the mailbox
         self._mailbox = mailbox
         self._leases = leases
@@ -143,9 +143,9 @@ class NotificationDrainer:
         mailbox, leases = self._mailbox, self._leases
         peers, table, push = self._peers, self._table, self._push
         vllm = self._vllm
-        busy_cap = self._config.notification_poll_interval
-        idle_cap = self._config.idle_poll_interval
-        probe_every = self._config.peer_probe_interval
+        busy_cap = self._tuning.notification_poll_interval
+        idle_cap = self._tuning.idle_poll_interval
+        probe_every = self._tuning.peer_probe_interval
         next_probe = anyio.current_time() + probe_every
         interval = 0.0
         while True:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from contextlib import suppress
 from types import TracebackType
@@ -29,8 +30,8 @@ import zmq
 from . import _zmq
 from ._checks import check_timeout, single_leaf
 from ._coalesce import Coalescer
-from ._config import EngineConfig
-from ._discovery import EngineRecord, EtcdDiscovery
+from ._config import EngineConfig, Tuning, effective_tuning
+from ._discovery import Discovery, EngineRecord
 from ._drainer import NotificationDrainer
 from ._errors import AionixlError, EngineClosedError, PeerDisconnectedError
 from ._handshake import Handshakes
@@ -38,7 +39,7 @@ from ._hostfacts import host_facts
 from ._inflight import InFlightTable
 from ._leases import Lease, LeaseTable
 from ._lifecycle import CLOSED, CLOSING, DRAINING, NEW, OPEN, Lifecycle, LocalSide
-from ._metrics import EngineMetrics, TransferMetrics
+from ._metrics import STATS_KEYS, EngineMetrics, TransferMetrics
 from ._nixl import Agent
 from ._notifications import Mailbox, Notification
 from ._parking import loop_tools
@@ -66,13 +67,15 @@ class Engine:
     ``kv_caches`` is a sequence of regions (torch tensors on CPU or CUDA, or numpy
     arrays); see the README's "The contract" for the layout rules. ``listen`` is the zmq endpoint peers
     connect to (port 0 picks a free port); ``None`` runs without a listener, for engines
-    that only connect out. ``discovery`` (an :class:`aionixl.EtcdDiscovery`) registers the
+    that only connect out. ``discovery`` (an :class:`aionixl.Discovery`, such as
+    :class:`aionixl.EtcdDiscovery`) registers the
     engine by name while it is open (when it listens) and lets :meth:`connect_to` resolve
     names (the README's "Discovery through etcd").
     """
 
     def __init__(self, name: str, kv_caches: Sequence[Any], listen: str | None = "tcp://127.0.0.1:0",
-                 config: EngineConfig | None = None, *, discovery: EtcdDiscovery | None = None) -> None:
+                 config: EngineConfig | None = None, *, discovery: Discovery | None = None,
+                 tuning: Tuning | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("name must be a non-empty str")
         if listen is not None and (not isinstance(listen, str) or not listen):
@@ -83,13 +86,18 @@ class Engine:
             config = EngineConfig()
         elif not isinstance(config, EngineConfig):
             raise TypeError("config must be an aionixl.EngineConfig")
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError("tuning must be an aionixl.lowlevel.Tuning")
+        tuning = effective_tuning(config, tuning)
         self._regions = describe_regions(kv_caches)
         self._kv_caches = tuple(kv_caches)  # keep the memory alive while registered
         self._name = name
         self._listen = listen
         self._config = config
-        if discovery is not None and not isinstance(discovery, EtcdDiscovery):
-            raise TypeError("discovery must be an aionixl.EtcdDiscovery or None")
+        self._tuning = tuning
+        if discovery is not None and not isinstance(discovery, Discovery):
+            raise TypeError("discovery must be an aionixl.Discovery (an aionixl.EtcdDiscovery, say) "
+                            "or None")
         self._discovery = discovery
         self._discovery_open = False  # we opened it, so we close it
         self._num_blocks = self._regions[0].num_blocks
@@ -114,10 +122,10 @@ class Engine:
 
         def mailbox_full(dropped: int) -> None:
             noisy.log(logging.WARNING, "mailbox-full", "notification buffer full (%d messages, %d "
-                      "bytes): dropped the oldest, %d so far", config.max_pending_notifications,
+                      "bytes): dropped the oldest, %d so far", tuning.max_pending_notifications,
                       config.max_pending_notification_bytes, dropped)
 
-        mailbox = self._mailbox = Mailbox(config.max_pending_notifications,
+        mailbox = self._mailbox = Mailbox(tuning.max_pending_notifications,
                                           config.max_pending_notification_bytes, mailbox_full)
         host = host_facts()
         peers = self._peers = PeerTable(local, life, noisy, read_mode=config.read_mode, host=host,
@@ -126,8 +134,8 @@ class Engine:
         metrics = self._transfer_metrics = TransferMetrics(TransferResult, local.bytes_per_block,
                                                            len(self._regions), noisy)
         turns = self._turns = LoopTurns()
-        direct = self._direct = DirectPath(local, life, config, peers, table, metrics, turns)
-        self._coalescer = Coalescer(local, life, config, peers, table, direct, metrics, turns)
+        direct = self._direct = DirectPath(local, life, config, tuning, peers, table, metrics, turns)
+        self._coalescer = Coalescer(local, life, config, tuning, peers, table, direct, metrics, turns)
         leases = self._leases = LeaseTable(refusals)
 
         def deliver(note: Notification) -> None:
@@ -137,16 +145,17 @@ class Engine:
 
         self._deliver = deliver
 
-        self._push = Pusher(local, life, config, peers, table, deliver, noisy, refusals, self._wake_drainer)
-        self._handshakes = Handshakes(local, life, config, peers, noisy, host, self._wake_drainer)
+        self._push = Pusher(local, life, config, tuning, peers, table, deliver, noisy, refusals,
+                            self._wake_drainer)
+        self._handshakes = Handshakes(local, life, config, tuning, peers, noisy, host, self._wake_drainer)
         self._vllm = VllmConnector(local, life, peers, config)
-        self._vllm_server = VllmServer(local, config, noisy, self._wake_drainer, self._relayed, host)
-        self._transfers = Transfers(local, life, config, peers, self._coalescer, direct, self._push,
+        self._vllm_server = VllmServer(local, config, tuning, noisy, self._wake_drainer, self._relayed, host)
+        self._transfers = Transfers(local, life, config, tuning, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)
         # The hot path: a call goes straight to the component's coroutine function (the
         # method below documents it and does the same; this skips one Python call).
         self.transfer_blocks = self._transfers.transfer_blocks  # type: ignore[method-assign]
-        self._drainer = NotificationDrainer(local, config, deliver, mailbox, leases, peers, table,
+        self._drainer = NotificationDrainer(local, tuning, deliver, mailbox, leases, peers, table,
                                             self._push, self._vllm_server, noisy, refusals)
 
     # ---- properties ---------------------------------------------------------------------
@@ -178,14 +187,7 @@ class Engine:
         return dict(self._peers.by_name)
 
     @property
-    def vllm_engine_id(self) -> str | None:
-        """The engine id vLLM decoders must be told now (:func:`aionixl.vllm.transfer_params`):
-        ``serve_vllm``'s, or with ``isolate=True`` the serving process's (a replacement
-        gets a new one); None when not serving (or while a replacement starts)."""
-        return self._vllm_server.engine_id
-
-    @property
-    def discovery(self) -> EtcdDiscovery | None:
+    def discovery(self) -> Discovery | None:
         """The registry this engine registers in and resolves names through (``discovery=``)."""
         return self._discovery
 
@@ -205,34 +207,6 @@ class Engine:
         counts["parked_handles"] = len(self._inflight.parked)
         return counts
 
-    def stats(self) -> dict[str, int]:
-        staging = self._local.staging
-        return {
-            "notifications_kept": self._mailbox.kept,
-            "notifications_dropped": self._mailbox.dropped,
-            "notification_waiters": self._mailbox.waiting,
-            "leaked_on_close": self._leaked_on_close,
-            "handshakes_accepted": self._handshakes.accepted,
-            "handshakes_rejected": self._handshakes.rejected,
-            "peers_evicted": self._peers.evicted,
-            "merged_requests": self._coalescer.merged_requests,
-            "merged_calls": self._coalescer.merged_calls,
-            "reposts": self._coalescer.reposts,
-            "pushes_served": self._push.served,
-            "pushes_refused": self._push.refused,
-            "pushes_lost": self._push.lost,
-            "fence_evictions": self._peers.fenced_evictions,
-            "staging_slots": staging.slots if staging else 0,
-            "staging_stranded": staging.stranded if staging else 0,
-            "staging_reclaimed": staging.reclaimed if staging else 0,
-            "staging_exhausted": self._push.exhausted,
-            "vllm_requests_answered": self._vllm_server.answered,
-            "vllm_requests_refused": self._vllm_server.refused,
-            "vllm_serving_restarts": sidecar.restarts if (sidecar := self._vllm_server.sidecar) else 0,
-            "discovery_registrations": self._discovery.registrations if self._discovery else 0,
-            "discovery_keepalive_failures": self._discovery.keepalive_failures if self._discovery else 0,
-        }
-
     def metrics(self) -> EngineMetrics:
         """Counters, gauges and latency histograms, copied now (docs/metrics.md).
 
@@ -240,27 +214,50 @@ class Engine:
         counters through a seqlock, see ``TransferMetrics.snapshot``; the in-flight table
         through a copy), so it never counts a transfer twice. Fields are read one after
         another: each is exact, two of them may be a few transfers apart."""
-        peers, mailbox = self._peers, self._mailbox
+        peers, mailbox, coalescer, push, server = (self._peers, self._mailbox, self._coalescer,
+                                                   self._push, self._vllm_server)
+        staging = self._local.staging
         return EngineMetrics(
             engine=self._name,
             **self._transfer_metrics.snapshot(),
-            in_flight=self._inflight.callers() + len(self._push.reads),
+            in_flight=self._inflight.callers() + len(push.reads),
             peers=len(peers.by_name),
             handshakes_accepted=self._handshakes.accepted,
             handshakes_rejected=self._handshakes.rejected,
             peers_evicted=peers.evicted,
             evictions=dict(peers.evictions),
+            fence_evictions=peers.fenced_evictions,
             notifications_delivered=mailbox.delivered,
             notifications_dropped=mailbox.dropped,
             notifications_kept=mailbox.kept,
-            merged_requests=self._coalescer.merged_requests,
-            merged_calls=self._coalescer.merged_calls,
+            notification_waiters=mailbox.waiting,
+            merged_requests=coalescer.merged_requests,
+            merged_calls=coalescer.merged_calls,
+            reposts=coalescer.reposts,
+            pushes_served=push.served,
+            pushes_refused=push.refused,
+            pushes_lost=push.lost,
+            staging_slots=staging.slots if staging else 0,
+            staging_stranded=staging.stranded if staging else 0,
+            staging_reclaimed=staging.reclaimed if staging else 0,
+            staging_exhausted=push.exhausted,
             leases_active=self._leases.active(),
             leases_released=self._leases.released,
             leases_expired=self._leases.expired,
+            heartbeat_ids_unknown=self._leases.unknown,
+            vllm_requests_answered=server.answered,
+            vllm_requests_refused=server.refused,
+            vllm_serving_restarts=sidecar.restarts if (sidecar := server.sidecar) else 0,
             messages_refused={kind: self._refusals.counts.get(kind, 0) for kind in REFUSAL_KINDS},
+            leaked_on_close=self._leaked_on_close,
             **self._discovery_metrics(),
         )
+
+    def stats(self) -> dict[str, int]:
+        """Deprecated: :meth:`metrics` has every count it had, under the same names."""
+        _deprecated("Engine.stats()", "Engine.metrics(), whose fields have the same names")
+        snapshot = self.metrics()
+        return {key: int(getattr(snapshot, key)) for key in STATS_KEYS}
 
     def _discovery_metrics(self) -> dict[str, Any]:
         d = self._discovery
@@ -371,7 +368,7 @@ class Engine:
 
         with self._life.operation(), anyio.move_on_after(timeout if math.isfinite(timeout) else None):
             while not settled():
-                await anyio.sleep(self._config.notification_poll_interval)
+                await anyio.sleep(self._tuning.notification_poll_interval)
         if settled():
             return True
         log.warning("engine %r drain timed out after %s s: %d transfer(s) in flight, %d "
@@ -381,8 +378,9 @@ class Engine:
         return False
 
     def _open_nixl(self) -> None:
-        cfg, local = self._config, self._local
-        agent = local.agent = Agent(self._name, cfg.backends, cfg.nixl_progress_thread, cfg.nixl_telemetry)
+        cfg, tuning, local = self._config, self._tuning, self._local
+        agent = local.agent = Agent(self._name, cfg.backends, tuning.nixl_progress_thread,
+                                    tuning.nixl_telemetry)
         agent.register(registration_spans(self._regions), local.mem_type)
         local.dlist = agent.prep_dlist(None, block_descriptors(self._regions), local.mem_type)
         if cfg.push_staging_bytes and local.mem_type == "DRAM":
@@ -417,16 +415,16 @@ class Engine:
         resolves names and watches."""
         discovery = self._discovery
         assert discovery is not None
-        discovery._open(self._name, tg)
+        discovery.open(self._name, tg)
         self._discovery_open = True
         if self._address is None:
             return
         local = self._local
-        await discovery._register(EngineRecord(
-            self._name, discovery.advertised(self._address), local.num_blocks,
+        await discovery.register(EngineRecord(
+            self._name, self._address, local.num_blocks,
             tuple(r.block_bytes for r in self._regions),
             local.mem_type, tuple(sorted(FEATURES))))
-        tg.start_soon(discovery._keep_alive, self._noisy)
+        tg.start_soon(discovery.keep_alive)
 
     async def _close(self) -> None:
         """Ordered teardown; runs shielded, each stage bounded by close_timeout."""
@@ -441,7 +439,7 @@ class Engine:
                 # Peers stop finding us first: the lease is revoked (our key goes at once)
                 # and watches end, before anything else is released.
                 self._discovery_open = False
-                await self._discovery._close(deadline)
+                await self._discovery.close(deadline)
             # Waiting callers learn that the engine closed.
             self._life.end_operations()
             for waiter in self._mailbox.all_waiters():
@@ -465,7 +463,7 @@ class Engine:
         agent = local.agent
         assert agent is not None
         await self._push.close(deadline)  # servers pushing into us stop first (bounded)
-        problems = await self._inflight.close(deadline, self._config.close_grace)
+        problems = await self._inflight.close(deadline, self._tuning.close_grace)
         await self._peers.say_goodbye(deadline)
         # Callers of transfers under way are told now and run only after the peers are
         # dropped below (no await between): a read's bytes may land until then, since UCX
@@ -518,27 +516,16 @@ class Engine:
         self._inflight.fail_peer(peer, error)
         self._push.fail_peer(peer, error)
 
-    # ---- hooks for tools that drive NIXL beside the engine ---------------------------------
+    # ---- for aionixl.lowlevel: tools that drive NIXL beside the engine -----------------------
 
-    def nixl_metadata(self) -> bytes:
-        """This engine's NIXL agent metadata (b"" unless open): for tools that read its
-        registered memory through NIXL directly, with no aionixl handshake (the bench's
-        bare-NIXL and threaded contenders)."""
+    def _nixl_metadata(self) -> bytes:
         return self._local.metadata if self._local.agent is not None else b""
 
-    def poll_nixl(self) -> list[Notification]:
-        """Make one NIXL progress call now, as the engine's drainer does, and return the
-        notifications that arrived for callers (taken by the caller: they do not reach
-        :meth:`wait_notification`). The engine's own messages, and the read-dones and
-        heartbeats of live leases, are handled as usual. For a process that must keep NIXL
-        progressing every loop turn (a busy serving target)."""
+    def _poll_nixl(self) -> list[Notification]:
         self._check_open(draining_ok=True)
         return [note for note in self._drainer.poll_once() if not self._leases.consume(note)]
 
-    def trace_wakeups(self, trace: list[int] | None) -> None:
-        """From now on append to ``trace``, per transfer the poller saw end, the nanoseconds
-        from that moment to its caller running again (the bench's wake-up latency); None
-        stops it."""
+    def _trace_wakeups(self, trace: list[int] | None) -> None:
         self._inflight.wake_trace = trace
 
     # ---- peers --------------------------------------------------------------------------
@@ -574,49 +561,16 @@ class Engine:
             record = await self._discovery.lookup(name, timeout)
         return await self.connect(record.address, max(0.001, deadline - anyio.current_time()))
 
-    async def connect_vllm(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
-                           expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
-        """Connect to a vLLM NixlConnector prefill worker and admit its agent as a peer.
-
-        Idempotent for a live peer at the same address. ``IncompatiblePeerError``
-        (``.field`` says what) when the region count differs (or the bytes per block, with
-        ``EngineConfig.require_equal_geometry``), when vLLM's layout has no one-id-per-block
-        form, or when ``expect_compat_hash`` is given and differs; ``HandshakeError`` for no
-        answer or a bad reply (docs/vllm.md). A prefill at another TP or block size is
-        admitted: block parts move between the two (:mod:`aionixl.layouts`).
-        """
+    async def _connect_vllm(self, address: str, *, pp_rank: int, tp_rank: int,
+                            expect_compat_hash: str | None, timeout: float) -> Peer:
+        """:func:`aionixl.vllm.connect`."""
         return await self._vllm.connect(address, pp_rank=pp_rank, tp_rank=tp_rank,
                                         expect_compat_hash=expect_compat_hash, timeout=timeout)
 
-    async def serve_vllm(self, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
-                         block_size: int, kv_cache_layout: str, attn_backend_name: str,
-                         tp_rank: int = 0, pp_rank: int = 0,
-                         layer_names: Sequence[str] | None = None, isolate: bool = False) -> str:
-        """Answer vLLM NixlConnector decode workers' handshakes on ``listen``; returns the
-        bound endpoint (``tcp://host:port``).
-
-        A vLLM decode (``kv_role="kv_consumer"``) told ``remote_engine_id=engine_id`` and
-        this host and port (:func:`aionixl.vllm.transfer_params`) fetches this engine's
-        metadata here and then reads the blocks itself; its completion notification
-        releases the :meth:`lease` of that request id, and its heartbeats extend it. What
-        the decode checks against its own configuration: ``compat_hash`` (vLLM's
-        compatibility hash of the deployment: same vLLM version, model, dtype, attention
-        backend), ``block_size`` (tokens per block), ``kv_cache_layout`` (e.g.
-        ``"LBHNC"``), ``attn_backend_name`` (e.g. ``"CPU_ATTN"``, ``"FLASH_ATTN"``), the
-        number of regions (one per attention layer, in layer order) and their bytes per
-        block; ``layer_names`` (optional) must then equal its layer names. Served: rank
-        (``pp_rank``, ``tp_rank``); a request for another rank gets a refusal. The listener
-        is a task of the engine's task group and stops when the engine closes; one per
-        engine (``RuntimeError`` for a second call). ``ValueError`` for a bad argument,
-        ``ListenError`` when ``listen`` cannot be bound (docs/vllm.md).
-
-        ``isolate=True`` serves the reads from a child process that maps the regions (they
-        must lie in :func:`aionixl.shared_dram` buffers): over UCX TCP a decode dying
-        mid-read can make UCX abort the process that serves its read, and then only that
-        child dies. The engine replaces it (``stats()["vllm_serving_restarts"]``); the
-        replacement serves under a new engine id (:attr:`vllm_engine_id`), so decoders
-        handshake with it again. ``AionixlError`` when the first child does not start.
-        """
+    async def _serve_vllm(self, listen: str, *, engine_id: str, compat_hash: str, block_size: int,
+                          kv_cache_layout: str, attn_backend_name: str, tp_rank: int, pp_rank: int,
+                          layer_names: Sequence[str] | None, isolate: bool) -> str:
+        """:func:`aionixl.vllm.serve`."""
         self._check_open()
         if not isinstance(listen, str) or not listen:
             raise ValueError("listen must be a zmq endpoint string such as 'tcp://0.0.0.0:5600'")
@@ -648,7 +602,7 @@ class Engine:
         """
         self._check_open(draining_ok=True)
         self._peers.own(peer)
-        with anyio.move_on_after(self._config.close_grace):
+        with anyio.move_on_after(self._tuning.close_grace):
             while peer.connected and (self._inflight.busy_with(peer) or self._push.busy_with(peer)):
                 await anyio.sleep(0.001)
         if peer.connected:
@@ -728,12 +682,6 @@ class Engine:
         self._leases.sweep()
         return self._leases.view
 
-    async def heartbeat(self, peer: Peer, request_ids: Iterable[str]) -> None:
-        """Extend ``peer``'s leases on ``request_ids`` (vLLM's ``"HB:id1,id2"``; an aionixl
-        prefill and a vLLM prefill both understand it). Ids it does not hold are counted
-        there and ignored."""
-        await self.send_notification(peer, heartbeat_message(request_ids))
-
     async def wait_notification(self, message: bytes, peer: Peer | str | None = None,
                                 timeout: float | None = None) -> Notification:
         """Wait for one notification equal to ``message`` (from ``peer`` if given).
@@ -769,6 +717,57 @@ class Engine:
             self._check_open(draining_ok=True)
             raise EngineClosedError(f"engine {self._name!r} closed")
         return waiter.result
+
+    # ---- deprecated: moved in 0.2, gone in 0.3 -------------------------------------------
+
+    def nixl_metadata(self) -> bytes:
+        """Deprecated: :func:`aionixl.lowlevel.nixl_metadata`."""
+        _deprecated("Engine.nixl_metadata()", "aionixl.lowlevel.nixl_metadata(engine)")
+        return self._nixl_metadata()
+
+    def poll_nixl(self) -> list[Notification]:
+        """Deprecated: :func:`aionixl.lowlevel.poll_nixl`."""
+        _deprecated("Engine.poll_nixl()", "aionixl.lowlevel.poll_nixl(engine)")
+        return self._poll_nixl()
+
+    def trace_wakeups(self, trace: list[int] | None) -> None:
+        """Deprecated: :func:`aionixl.lowlevel.trace_wakeups`."""
+        _deprecated("Engine.trace_wakeups()", "aionixl.lowlevel.trace_wakeups(engine, trace)")
+        self._trace_wakeups(trace)
+
+    async def connect_vllm(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
+                           expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
+        """Deprecated: :func:`aionixl.vllm.connect`."""
+        _deprecated("Engine.connect_vllm()", "aionixl.vllm.connect(engine, address, ...)")
+        return await self._connect_vllm(address, pp_rank=pp_rank, tp_rank=tp_rank,
+                                        expect_compat_hash=expect_compat_hash, timeout=timeout)
+
+    async def serve_vllm(self, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
+                         block_size: int, kv_cache_layout: str, attn_backend_name: str,
+                         tp_rank: int = 0, pp_rank: int = 0,
+                         layer_names: Sequence[str] | None = None, isolate: bool = False) -> str:
+        """Deprecated: :func:`aionixl.vllm.serve`."""
+        _deprecated("Engine.serve_vllm()", "aionixl.vllm.serve(engine, listen, ...)")
+        return await self._serve_vllm(listen, engine_id=engine_id, compat_hash=compat_hash,
+                                      block_size=block_size, kv_cache_layout=kv_cache_layout,
+                                      attn_backend_name=attn_backend_name, tp_rank=tp_rank,
+                                      pp_rank=pp_rank, layer_names=layer_names, isolate=isolate)
+
+    async def heartbeat(self, peer: Peer, request_ids: Iterable[str]) -> None:
+        """Deprecated: :func:`aionixl.vllm.heartbeat`."""
+        _deprecated("Engine.heartbeat()", "aionixl.vllm.heartbeat(engine, peer, request_ids)")
+        await self.send_notification(peer, heartbeat_message(request_ids))
+
+    @property
+    def vllm_engine_id(self) -> str | None:
+        """Deprecated: :func:`aionixl.vllm.engine_id`."""
+        _deprecated("Engine.vllm_engine_id", "aionixl.vllm.engine_id(engine)")
+        return self._vllm_server.engine_id
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated: use {new} (the old name goes in 0.3)", DeprecationWarning,
+                  stacklevel=3)
 
 
 __all__ = ["Engine", "Peer", "TransferResult"]

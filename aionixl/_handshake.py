@@ -20,7 +20,7 @@ import zmq
 from . import _protocol as proto
 from . import _zmq
 from ._checks import check_timeout, deadline
-from ._config import EngineConfig
+from ._config import EngineConfig, Tuning
 from ._errors import (
     AionixlError,
     EngineClosedError,
@@ -48,12 +48,14 @@ _RETRYABLE_REJECTS = frozenset({"internal", "draining"})
 class Handshakes:
     """The listener side and the client side of one engine's handshakes."""
 
-    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, tuning: Tuning,
+                 peers: PeerTable,
                  noisy: RateLimitedLog, host: Mapping[str, str], wake_drainer: Callable[[], None]) -> None:
         self._local = local
         self._life = life
         self._regions = regions = local.regions
         self._config = config
+        self._tuning = tuning
         self._peers = peers
         self._noisy = noisy
         self._secret = config.handshake_secret
@@ -82,7 +84,7 @@ class Handshakes:
         zctx = self._local.zctx
         assert zctx is not None
         try:
-            sock = _zmq.bind_router(zctx, endpoint, self._config.max_handshake_bytes + 4096, 16)
+            sock = _zmq.bind_router(zctx, endpoint, self._tuning.max_handshake_bytes + 4096, 16)
         except zmq.ZMQError as exc:
             raise ListenError(f"cannot listen on {endpoint!r}: {exc}") from exc
         try:
@@ -108,7 +110,7 @@ class Handshakes:
         name = self._local.name
         try:
             hello = proto.decode_hello(proto.unseal(frames, self._secret),
-                                       self._config.max_handshake_bytes)
+                                       self._tuning.max_handshake_bytes)
             if self._secret is not None:
                 self._replay_guard.check(hello, time.time())
             if self._life.state != OPEN:
@@ -190,19 +192,19 @@ class Handshakes:
         """
         life = self._life
         retries = self._config.connect_retries
-        pause = self._config.connect_backoff
+        pause = self._tuning.connect_backoff
         for attempt in range(retries + 1):
             last = attempt == retries
             life.check_open()  # closed or draining during the last backoff: stop here
             try:
                 if last:
                     return await self._handshake(address)
-                with anyio.fail_after(self._config.connect_attempt_timeout):
+                with anyio.fail_after(self._tuning.connect_attempt_timeout):
                     return await self._handshake(address)
             except TimeoutError as exc:
                 if last:
                     raise
-                failed.append(HandshakeError(f"no answer within {self._config.connect_attempt_timeout} s"))
+                failed.append(HandshakeError(f"no answer within {self._tuning.connect_attempt_timeout} s"))
                 failed[-1].__cause__ = exc
                 self._noisy.log(logging.INFO, "connect-retry", "no handshake answer from %s yet; retrying",
                                 address)
@@ -226,7 +228,7 @@ class Handshakes:
         nonce = proto.new_nonce() if self._secret is not None else b""
         hello = proto.Hello(proto.PROTOCOL_VERSION, *self._info(), nonce, time.time(), sorted(FEATURES),
                             self._host, self._config.require_equal_geometry, self._staging())
-        limit = self._config.max_handshake_bytes
+        limit = self._tuning.max_handshake_bytes
         with life.operation():
             sock = _zmq.connect_socket(ctx, zmq.DEALER, address, limit, "peer")
             try:

@@ -372,20 +372,48 @@ class EngineMetrics:
     #: ``transfer_blocks`` calls that rode in them.
     merged_requests: int
     merged_calls: int
+    #: Peers evicted because a read aborted against them was not confirmed stopped in time
+    #: (counted in ``peers_evicted`` too; docs/read-modes.md).
+    fence_evictions: int = 0
+    #: ``wait_notification`` calls waiting now.
+    notification_waiters: int = 0
+    #: Merged requests posted again after a member left (docs/coalescing.md).
+    reposts: int = 0
+    #: Push reads this engine served for peers: completed; refused (malformed, busy,
+    #: closing); ended with a chunk whose bytes may still land.
+    pushes_served: int = 0
+    pushes_refused: int = 0
+    pushes_lost: int = 0
+    #: Staging slots for push reads (docs/read-modes.md): all of them; kept out of use
+    #: because a read into them ended without the server's word; taken back since; push
+    #: reads refused because every slot was stranded.
+    staging_slots: int = 0
+    staging_stranded: int = 0
+    staging_reclaimed: int = 0
+    staging_exhausted: int = 0
     #: Leases (``Engine.lease``): live and not past their time; ended with every reader
-    #: done; expired (no heartbeat within their duration).
+    #: done; expired (no heartbeat within their duration); ids in heartbeats that named no
+    #: live lease.
     leases_active: int = 0
     leases_released: int = 0
     leases_expired: int = 0
-    #: Discovery (``Engine(discovery=)``): whether this engine's key is believed to be in
-    #: etcd now; leases granted and keys put (1 after a clean start, more after etcd lost
-    #: one); keep-alive or re-registration attempts that failed (etcd out of reach).
+    heartbeat_ids_unknown: int = 0
+    #: Serving vLLM decoders (``aionixl.vllm.serve``): side-channel requests answered and
+    #: refused; serving children replaced after they ended (``isolate=True``).
+    vllm_requests_answered: int = 0
+    vllm_requests_refused: int = 0
+    vllm_serving_restarts: int = 0
     #: Messages from peers refused (malformed, over their bound, or from a sender not
     #: entitled to them), by kind: ``probe``, ``goodbye``, ``multi``, ``tagged``, ``push``,
     #: ``pcancel``, ``pdone``, ``perr``, ``pgone``, ``plost``, ``reserved`` (a reserved prefix
     #: of no known kind), ``relayed`` (a reserved message sent to the agent serving vLLM
     #: decoders), ``heartbeat`` (vLLM's heartbeat, over 1 MiB). Every kind is present.
     messages_refused: Mapping[str, int] = field(default_factory=dict)
+    #: NIXL resources the last close could not release (0 while open and after a clean close).
+    leaked_on_close: int = 0
+    #: Discovery (``Engine(discovery=)``): whether this engine's key is believed to be in
+    #: etcd now; leases granted and keys put (1 after a clean start, more after etcd lost
+    #: one); keep-alive or re-registration attempts that failed (etcd out of reach).
     discovery_registered: bool = False
     discovery_registrations: int = 0
     discovery_keepalive_failures: int = 0
@@ -393,6 +421,15 @@ class EngineMetrics:
     def as_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and numbers (JSON-ready)."""
         return asdict(self)
+
+
+#: The keys of the deprecated ``Engine.stats()``: each is an ``EngineMetrics`` field now.
+STATS_KEYS = ("notifications_kept", "notifications_dropped", "notification_waiters", "leaked_on_close",
+              "handshakes_accepted", "handshakes_rejected", "peers_evicted", "merged_requests",
+              "merged_calls", "reposts", "pushes_served", "pushes_refused", "pushes_lost",
+              "fence_evictions", "staging_slots", "staging_stranded", "staging_reclaimed",
+              "staging_exhausted", "vllm_requests_answered", "vllm_requests_refused",
+              "vllm_serving_restarts", "discovery_registrations", "discovery_keepalive_failures")
 
 
 def _histogram(counts: list[int], total: float) -> Histogram:

@@ -20,7 +20,7 @@ from typing import NoReturn
 import anyio
 import anyio.lowlevel
 
-from ._config import EngineConfig
+from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._inflight import InFlightTable
 from ._lifecycle import CLOSED, CLOSING, Lifecycle, LocalSide
@@ -116,16 +116,18 @@ class LoopTurns:
 class DirectPath:
     """Posts one caller's request and waits for it; fences aborted reads."""
 
-    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, tuning: Tuning,
+                 peers: PeerTable,
                  table: InFlightTable, metrics: TransferMetrics[TransferResult], turns: LoopTurns) -> None:
         self._local = local
         self._life = life
         self._config = config
+        self._tuning = tuning
         self._peers = peers
         self._table = table
         self._metrics = metrics
         self._turns = turns
-        self._inline_polls = config.inline_polls
+        self._inline_polls = tuning.inline_polls
 
     def post(self, peer: Peer, op: Op, local_idx: Indices, remote_idx: Indices, nblocks: int,
              message: bytes, started: float, parts: PartLists | None = None) -> Posted:
@@ -186,7 +188,7 @@ class DirectPath:
         agent = self._local.agent
         if agent is None or not peer.connected:
             return
-        limit = self._config.push_cancel_timeout
+        limit = self._tuning.push_cancel_timeout
         ended: list[Status] = []
         with anyio.CancelScope(shield=True):
             try:

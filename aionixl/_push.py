@@ -67,7 +67,7 @@ import anyio
 import anyio.abc
 import numpy as np
 
-from ._config import EngineConfig
+from ._config import EngineConfig, Tuning
 from ._errors import (
     AionixlError,
     PeerDisconnectedError,
@@ -229,13 +229,15 @@ class _Job:
 class Pusher:
     """Both sides of push reads for one engine; see the module docstring."""
 
-    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, tuning: Tuning,
+                 peers: PeerTable,
                  table: InFlightTable, deliver: Callable[[Notification], None], noisy: RateLimitedLog,
                  refusals: Refusals,
                  wake_drainer: Callable[[], None]) -> None:
         self._local = local
         self._life = life
         self._config = config
+        self._tuning = tuning
         self._peers = peers
         self._table = table
         self._deliver = deliver  # an incoming notification, to a lease or the mailbox
@@ -427,7 +429,7 @@ class Pusher:
             self._peers.evict(peer, exc)
             return
         self._wake_drainer()
-        limit = self._config.push_cancel_timeout
+        limit = self._tuning.push_cancel_timeout
         try:
             with anyio.move_on_after(limit):
                 while rec.state == _OPEN and not self._closing:
@@ -457,7 +459,7 @@ class Pusher:
                 async with anyio.create_task_group() as tg:
                     for rec in ours:
                         tg.start_soon(self._fence, rec)
-            with anyio.move_on_after(self._config.push_cancel_timeout):
+            with anyio.move_on_after(self._tuning.push_cancel_timeout):
                 while any(j.peer is peer for j in self.jobs.values()):
                     await anyio.sleep(0.001)
 
@@ -563,12 +565,12 @@ class Pusher:
         key = (name, req.rid)
         if key in self.jobs:
             return self._refuse(peer, req.rid, "request id already in use")
-        if self._per_peer.get(name, 0) >= self._config.max_pushes_per_peer:
-            return self._refuse(peer, req.rid, f"busy: {self._config.max_pushes_per_peer} reads "
+        if self._per_peer.get(name, 0) >= self._tuning.max_pushes_per_peer:
+            return self._refuse(peer, req.rid, f"busy: {self._tuning.max_pushes_per_peer} reads "
                                 "of this peer are already under way")
         if self._tg is None or self._closing:
             return self._refuse(peer, req.rid, "the engine is closing")
-        limit = min(req.timeout, self._config.transfer_timeout) + self._config.push_cancel_timeout
+        limit = min(req.timeout, self._config.transfer_timeout) + self._tuning.push_cancel_timeout
         job = _Job(peer, req.rid, chunks, parts, dlist, anyio.current_time() + limit, req.notify)
         self.jobs[key] = job
         self._per_peer[name] = self._per_peer.get(name, 0) + 1
@@ -604,14 +606,14 @@ class Pusher:
         if req.dst_part is not None or req.src_part is not None:
             # Our blocks are the source: our part is the "local" one of the pair.
             parts = self._peers.part_lists(peer, _part(req.src_part), _part(req.dst_part), req.staged)
-            per_chunk = max(1, self._config.push_chunk_bytes // parts.nbytes)
+            per_chunk = max(1, self._tuning.push_chunk_bytes // parts.nbytes)
             return [parts.indices(src[i:i + per_chunk], dst[i:i + per_chunk])
                     for i in range(0, dst.size, per_chunk)], parts, -1
         if peer._unequal:
             raise ValueError(f"whole blocks cannot be pushed: block sizes differ (ours "
                              f"{[r.block_bytes for r in self._local.regions]}, the reader's "
                              f"{list(peer.bytes_per_block)})")
-        per_chunk = max(1, self._config.push_chunk_bytes // self._local.bytes_per_block)
+        per_chunk = max(1, self._tuning.push_chunk_bytes // self._local.bytes_per_block)
         return [(descriptor_indices(self._local.offsets, src[i:i + per_chunk]),
                  descriptor_indices(dst_offsets, dst[i:i + per_chunk]))
                 for i in range(0, dst.size, per_chunk)], None, dst_dlist
@@ -633,7 +635,7 @@ class Pusher:
                     handle, status = agent.start_xfer(
                         "write", self._local.dlist if parts is None else parts.local, src,
                         job.dlist if parts is None else parts.remote, dst,
-                        PDONE + rid_bytes(rid) if last else b"", self._config.inline_polls)
+                        PDONE + rid_bytes(rid) if last else b"", self._tuning.inline_polls)
                 except AionixlError as exc:
                     # NIXL posts a WRITE per descriptor: one that failed part-way may have
                     # sent some, and those may still land.
@@ -751,7 +753,7 @@ class Pusher:
                 agent.send_notif(rec.peer.name, self._cancel_message(rec.rid))
             except AionixlError:
                 rec.state = _GONE  # its connection is gone: nothing can land
-        end = min(deadline_at, anyio.current_time() + self._config.push_cancel_timeout)
+        end = min(deadline_at, anyio.current_time() + self._tuning.push_cancel_timeout)
         while any(r.state == _OPEN for r in open_reads) and anyio.current_time() < end:
             try:
                 notifs = agent.get_notifs()

@@ -39,7 +39,7 @@ def shared_dram(nbytes: int) -> npt.NDArray[np.uint8]:
 
     View it as the KV cache's regions (``torch.from_numpy(buf).view(dtype).reshape(...)``
     or numpy views); the memory lives while any view of it does. Needed only by
-    ``Engine.serve_vllm(isolate=True)``.
+    ``aionixl.vllm.serve(engine, isolate=True)``.
     """
     check_int(nbytes, "nbytes", 1)
     fd = os.memfd_create("aionixl-kv", os.MFD_CLOEXEC)

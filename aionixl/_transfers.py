@@ -25,7 +25,7 @@ import numpy as np
 
 from ._checks import check_timeout
 from ._coalesce import Coalescer, with_room
-from ._config import EngineConfig
+from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import TransferMetrics
@@ -65,12 +65,14 @@ Reconnect = Callable[[str, float], Awaitable[Peer]]
 class Transfers:
     """``transfer_blocks`` for one engine; the paths it chooses are components of their own."""
 
-    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, peers: PeerTable,
+    def __init__(self, local: LocalSide, life: Lifecycle, config: EngineConfig, tuning: Tuning,
+                 peers: PeerTable,
                  coalescer: Coalescer, direct: DirectPath, push: Pusher,
                  metrics: TransferMetrics[TransferResult], turns: LoopTurns, reconnect: Reconnect) -> None:
         self._local = local
         self._life = life
         self._config = config
+        self._tuning = tuning
         self._peers = peers
         self._coalescer = coalescer
         self._direct = direct
@@ -78,9 +80,9 @@ class Transfers:
         self._metrics = metrics
         self._turns = turns
         self._reconnect = reconnect
-        self._inline_polls = config.inline_polls
+        self._inline_polls = tuning.inline_polls
         #: The most blocks a call may move and still ride in a merged request.
-        self._ride_blocks = config.coalesce_max_call_bytes // local.bytes_per_block
+        self._ride_blocks = tuning.coalesce_max_call_bytes // local.bytes_per_block
         self._coalesce = config.coalesce and self._ride_blocks > 0
         self._num_blocks = local.num_blocks
         self._offset_list = local.offset_list

@@ -33,7 +33,7 @@ import zmq
 from . import _protocol as proto
 from . import _zmq
 from ._checks import check_int
-from ._config import EngineConfig
+from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, ListenError
 from ._lifecycle import LocalSide
 from ._nixl import Agent
@@ -94,11 +94,12 @@ class ServingAgent:
 class VllmServer:
     """One engine's vLLM side channel (see :meth:`Engine.serve_vllm`)."""
 
-    def __init__(self, local: LocalSide, config: EngineConfig, noisy: RateLimitedLog,
+    def __init__(self, local: LocalSide, config: EngineConfig, tuning: Tuning, noisy: RateLimitedLog,
                  wake_drainer: Callable[[], None], deliver: Callable[[Notification], None],
                  host: Mapping[str, str]) -> None:
         self._local = local
         self._config = config
+        self._tuning = tuning
         self._rdma = host.get("rdma") == "1"  # else decodes on other hosts read over UCX TCP
         self._noisy = noisy
         self._wake_drainer = wake_drainer
@@ -109,7 +110,7 @@ class VllmServer:
         self._engine_id = ""
         #: The bound endpoint once serving; None before.
         self.address: str | None = None
-        #: The engine id decoders must be told now (``Engine.vllm_engine_id``).
+        #: The engine id decoders must be told now (``aionixl.vllm.engine_id``).
         self.engine_id: str | None = None
         #: True once configured (one side channel per engine).
         self.configured = False
@@ -149,7 +150,7 @@ class VllmServer:
         if isolate:
             self.sidecar = Sidecar(self._local.name, self._local.regions, spans,
                                    backends=self._config.backends,
-                                   poll_interval=self._config.notification_poll_interval,
+                                   poll_interval=self._tuning.notification_poll_interval,
                                    stop_timeout=self._config.close_timeout / 2,
                                    deliver=self._deliver, on_ready=self._served, on_down=self._down,
                                    noisy=self._noisy)

@@ -1,12 +1,12 @@
 """vLLM's NixlConnector (pull mode), both ways: reading from a vLLM prefill, serving vLLM decoders.
 
-    peer = await engine.connect_vllm("tcp://prefill-host:5600")
+    peer = await aionixl.vllm.connect(engine, "tcp://prefill-host:5600")
     await engine.transfer_blocks(peer, local_ids, remote_ids, op="read",
                                  notify=aionixl.vllm.read_notification(remote_request_id))
 
-    address = await engine.serve_vllm("tcp://0.0.0.0:5600", engine_id="prefill-0",
-                                      compat_hash=..., block_size=16, kv_cache_layout="LBHNC",
-                                      attn_backend_name="FLASH_ATTN")
+    address = await aionixl.vllm.serve(engine, "tcp://0.0.0.0:5600", engine_id="prefill-0",
+                                       compat_hash=..., block_size=16, kv_cache_layout="LBHNC",
+                                       attn_backend_name="FLASH_ATTN")
     lease = engine.lease(request_id, block_ids)        # a vLLM decoder's notification ends it
     params = aionixl.vllm.transfer_params(request_id, block_ids, num_tokens=prompt_tokens,
                                           engine_id="prefill-0", host="prefill-host", port=5600)
@@ -53,6 +53,7 @@ __all__ = [
     "VllmAgentMetadata",
     "VllmHandshake",
     "connect",
+    "engine_id",
     "fetch_metadata",
     "heartbeat",
     "read_notification",
@@ -63,37 +64,73 @@ __all__ = [
 
 async def connect(engine: Engine, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                   expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
-    """Handshake with a vLLM NixlConnector prefill and admit its agent as a peer of ``engine``.
+    """Handshake with a vLLM NixlConnector prefill worker and admit its agent as a peer of
+    ``engine``.
 
-    The same as :meth:`Engine.connect_vllm`: idempotent for a live peer at the same address;
-    ``IncompatiblePeerError`` (``.field`` says what) when the region count differs from the
-    engine's (or the bytes per block, with ``EngineConfig.require_equal_geometry``), when
-    vLLM's layout has no one-id-per-block form, or when ``expect_compat_hash`` is given and
-    differs from vLLM's compatibility hash; ``HandshakeError`` for no answer or a bad reply.
+    Idempotent for a live peer at the same address. ``IncompatiblePeerError`` (``.field``
+    says what) when the region count differs from the engine's (or the bytes per block,
+    with ``EngineConfig.require_equal_geometry``), when vLLM's layout has no
+    one-id-per-block form, or when ``expect_compat_hash`` is given and differs from vLLM's
+    compatibility hash; ``HandshakeError`` for no answer or a bad reply (docs/vllm.md). A
+    prefill at another TP or block size is admitted: block parts move between the two
+    (:mod:`aionixl.layouts`).
     """
-    return await engine.connect_vllm(address, pp_rank=pp_rank, tp_rank=tp_rank,
-                                     expect_compat_hash=expect_compat_hash, timeout=timeout)
+    return await engine._connect_vllm(address, pp_rank=pp_rank, tp_rank=tp_rank,
+                                      expect_compat_hash=expect_compat_hash, timeout=timeout)
 
 
 async def heartbeat(engine: Engine, peer: Peer, request_ids: Iterable[str]) -> None:
-    """Extend the prefill's lease on ``request_ids`` (vLLM's ``"HB:id1,id2"`` notification).
+    """Extend ``peer``'s leases on ``request_ids`` (vLLM's ``"HB:id1,id2"`` notification; an
+    aionixl prefill and a vLLM prefill both understand it).
 
     vLLM moves each lease to at least now + 2/3 of its ``kv_lease_duration`` (30 s by
-    default); ids it does not hold are ignored.
+    default); an aionixl prefill to at least now + the lease's ``duration``. Ids it does
+    not hold are ignored (counted by an aionixl prefill:
+    ``metrics().heartbeat_ids_unknown``).
     """
     await engine.send_notification(peer, heartbeat_message(request_ids))
 
 
-
 async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
                 block_size: int, kv_cache_layout: str, attn_backend_name: str, tp_rank: int = 0,
-                pp_rank: int = 0, layer_names: Sequence[str] | None = None) -> str:
-    """:meth:`Engine.serve_vllm` without ``isolate``: answer vLLM decode workers'
-    handshakes from this engine's event loop."""
-    return await engine.serve_vllm(listen, engine_id=engine_id, compat_hash=compat_hash,
-                                   block_size=block_size, kv_cache_layout=kv_cache_layout,
-                                   attn_backend_name=attn_backend_name, tp_rank=tp_rank,
-                                   pp_rank=pp_rank, layer_names=layer_names)
+                pp_rank: int = 0, layer_names: Sequence[str] | None = None, isolate: bool = False) -> str:
+    """Answer vLLM NixlConnector decode workers' handshakes on ``listen`` for ``engine``;
+    returns the bound endpoint (``tcp://host:port``).
+
+    A vLLM decode (``kv_role="kv_consumer"``) told ``remote_engine_id=engine_id`` and this
+    host and port (:func:`transfer_params`) fetches the serving agent's metadata here and
+    then reads the blocks itself; its completion notification releases the engine's
+    :meth:`~aionixl.Engine.lease` of that request id, and its heartbeats extend it. What
+    the decode checks against its own configuration: ``compat_hash`` (vLLM's
+    compatibility hash of the deployment: same vLLM version, model, dtype, attention
+    backend), ``block_size`` (tokens per block), ``kv_cache_layout`` (e.g. ``"LBHNC"``),
+    ``attn_backend_name`` (e.g. ``"CPU_ATTN"``, ``"FLASH_ATTN"``), the number of regions
+    (one per attention layer, in layer order) and their bytes per block; ``layer_names``
+    (optional) must then equal its layer names. Served: rank (``pp_rank``, ``tp_rank``);
+    a request for another rank gets a refusal. The listener is a task of the engine's
+    task group and stops when the engine closes; one per engine (``RuntimeError`` for a
+    second call). ``ValueError`` for a bad argument, ``ListenError`` when ``listen``
+    cannot be bound (docs/vllm.md).
+
+    Decoders read from a NIXL agent of their own, never the engine's (docs/vllm.md).
+    ``isolate=True`` puts that agent in a child process that maps the regions (they must
+    lie in :func:`aionixl.shared_dram` buffers): over UCX TCP a decode dying mid-read can
+    make UCX abort the process that serves its read, and then only that child dies. The
+    engine replaces it (``metrics().vllm_serving_restarts``); the replacement serves under
+    a new engine id (:func:`engine_id`), so decoders handshake with it again.
+    ``AionixlError`` when the first child does not start.
+    """
+    return await engine._serve_vllm(listen, engine_id=engine_id, compat_hash=compat_hash,
+                                    block_size=block_size, kv_cache_layout=kv_cache_layout,
+                                    attn_backend_name=attn_backend_name, tp_rank=tp_rank,
+                                    pp_rank=pp_rank, layer_names=layer_names, isolate=isolate)
+
+
+def engine_id(engine: Engine) -> str | None:
+    """The engine id vLLM decoders must be told now (:func:`transfer_params`): the one
+    :func:`serve` was given, or with ``isolate=True`` the serving process's (a replacement
+    gets a new one); None when not serving (or while a replacement starts)."""
+    return engine._vllm_server.engine_id
 
 
 def transfer_params(request_id: str, block_ids: Iterable[int], *, num_tokens: int, engine_id: str,
@@ -103,7 +140,7 @@ def transfer_params(request_id: str, block_ids: Iterable[int], *, num_tokens: in
     them to the decode's request). ``request_id`` is the lease's (the decode's notification
     names it); ``num_tokens``: the prompt tokens whose KV the blocks hold (vLLM's decode
     scheduler loads that many, less what it has cached); ``host``/``port``: where
-    :meth:`Engine.serve_vllm` listens, as the decode reaches it; ``tp_size``: the TP size
+    :func:`serve` listens, as the decode reaches it; ``tp_size``: the TP size
     of the prefill (1 for one aionixl engine)."""
     read_notification(request_id)  # the same checks: it must be usable as vLLM's notification
     ids = [int(b) for b in block_ids]

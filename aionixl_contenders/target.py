@@ -20,13 +20,14 @@ the file descriptor ``--fd``; then ``{"cmd": "spin"}`` / ``{"cmd": "rest"}`` mes
 stdin, each acknowledged on ``--fd`` with ``{"ack": <command>}``. End of stdin stops it.
 
 Beyond the public API it uses the engine's two hooks for tools that drive NIXL beside it:
-``Engine.nixl_metadata()`` and ``Engine.poll_nixl()``.
+``aionixl.lowlevel.nixl_metadata`` and ``aionixl.lowlevel.poll_nixl``.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import logging
 import os
 import sys
@@ -37,6 +38,7 @@ from typing import Any
 import anyio
 
 import aionixl
+import aionixl.lowlevel
 from aionixl._bench._memory import KVMemory
 from aionixl._lines import LineReader, write_fd
 
@@ -91,16 +93,17 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         async with AsyncExitStack() as stack:
             units = []
-            progress = []
+            progress: list[Callable[[], Any]] = []
             for i in range(args.peers):
                 engine = await stack.enter_async_context(
                     aionixl.Engine(f"bench-prefill-{os.getpid()}-{i}", memory.regions,
                                    listen="tcp://127.0.0.1:0"))
-                metadata = engine.nixl_metadata()
+                metadata = aionixl.lowlevel.nixl_metadata(engine)
                 listener = MetadataListener(encode_metadata(metadata, layout),
                                             name=f"prefill-{i}-listener")
                 listeners.append(listener)
-                progress.append(engine.poll_nixl)  # its notifications: nobody waits for them here
+                # its notifications: nobody waits for them here
+                progress.append(functools.partial(aionixl.lowlevel.poll_nixl, engine))
                 units.append({"name": engine.name, "address": engine.address,
                               "meta_address": listener.address,
                               "metadata": base64.b64encode(metadata).decode()})

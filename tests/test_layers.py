@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("components: parts of blocks", {"_partial"}),
     ("components: the transfer call, the drainer", {"_transfers", "_drainer"}),
     ("facade", {"_engine"}),
-    ("public surface", {"__init__", "vllm", "prometheus", "layouts"}),
+    ("public surface", {"__init__", "vllm", "prometheus", "layouts", "lowlevel"}),
     ("test helpers", {"testing"}),
     ("add-ons", {"_demo", "_bench", "_soak"}),
     ("command line", {"_cli"}),

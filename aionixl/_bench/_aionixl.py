@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from .. import lowlevel
 from .._config import EngineConfig
 from .._engine import Engine, Peer
 from .._errors import EngineClosedError
@@ -210,7 +211,7 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
         await eng.transfer_blocks(peer, [0], [0])  # wire-up
         checked += await _verify(ctx, eng, peer, "start")
         wakes: list[int] = []
-        eng.trace_wakeups(wakes)
+        lowlevel.trace_wakeups(eng, wakes)
         ref = ctx.open_reference()
         refs: dict[str, Callable[[], float]] = {} if ref is None else ref.pairs
         paired: dict[str, list[float]] = {}
@@ -281,7 +282,7 @@ async def run(ctx: Context, backend: str) -> dict[str, Any]:
                 ref.close()
         info["paired"] = paired
         info["wake_samples_default_transport"] = len(wakes)
-        eng.trace_wakeups(None)
+        lowlevel.trace_wakeups(eng, None)
         checked += await _verify(ctx, eng, peer, "after the timed loops")
 
         ctx.progress(f"{label}: event-loop lag")
@@ -405,11 +406,11 @@ async def _close_once(ctx: Context, backend: str, first: bool, npeers: int | Non
         if first:
             ctx.progress(f"aionixl on {backend}: completion-to-wake over UCX tcp")
             trace: list[int] = []
-            eng.trace_wakeups(trace)
+            lowlevel.trace_wakeups(eng, trace)
             for i in range(spec.wake_count):
                 ids = [i % spec.blocks]
                 await eng.transfer_blocks(peers[0], ids, ids)
-            eng.trace_wakeups(None)
+            lowlevel.trace_wakeups(eng, None)
             extra["wake"] = [ns * 1e-9 for ns in trace]
             ctx.progress(f"aionixl on {backend}: event-loop lag, {spec.lag_workers} in flight over tcp")
             extra["lag_64_tcp"] = [

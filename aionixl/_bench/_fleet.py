@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 import aionixl
+import aionixl.lowlevel
 from aionixl._regions import block_view
 from aionixl.testing import FleetHosts, RemoteEngine, TwoHostsError, block_bytes
 from aionixl.testing._remote import each_at_most
@@ -421,7 +422,7 @@ async def _run(fleet: FleetHosts, spec: FleetSpec, say: Callable[[str], None], p
     geometry: dict[str, Any] = {"num_blocks": spec.num_blocks, "block_shape": spec.block_shape,
                                 "dtypes": spec.dtypes}
     if spec.idle_poll_interval is not None:
-        geometry["config"] = aionixl.EngineConfig(idle_poll_interval=spec.idle_poll_interval)
+        geometry["tuning"] = aionixl.lowlevel.Tuning(idle_poll_interval=spec.idle_poll_interval)
     grid = [[fleet.remote_engine(h, f"fleet-h{h}-e{j}", seed=1000 + h * 100 + j, **geometry)
              for j in range(spec.engines_per_host)] for h in range(spec.hosts)]
     engines = [e for row in grid for e in row]

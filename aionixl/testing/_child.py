@@ -37,6 +37,7 @@ import msgspec
 
 import aionixl
 from aionixl import _lines
+from aionixl.lowlevel import Tuning
 
 from ._caches import byte_caches
 
@@ -66,6 +67,7 @@ class Spec(msgspec.Struct, frozen=True):
     listen: str
     backend: str
     config: bytes | None
+    tuning: bytes | None
     region_bytes: tuple[int, ...]  # one block of each region (the dtypes' sizes, from the parent)
     discovery: DiscoverySpec | None = None
     workload: str | None = None
@@ -132,8 +134,9 @@ async def settled_threads(at_most: int) -> int:
 async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, Any]:
     if request.op == "live_resources":
         return {"ok": True, "value": engine.live_resources()}
-    if request.op == "stats":
-        return {"ok": True, "value": engine.stats()}
+    if request.op == "stats":  # every count and flag of the engine's metrics()
+        snapshot = engine.metrics().as_dict()
+        return {"ok": True, "value": {k: v for k, v in snapshot.items() if isinstance(v, (int, bool))}}
     if request.op == "wait_notification":
         try:
             note = await engine.wait_notification(request.message, timeout=request.timeout)
@@ -155,13 +158,15 @@ async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, Any]:
 async def _serve(spec: Spec, control: int) -> None:
     config = (msgspec.msgpack.decode(spec.config, type=aionixl.EngineConfig)
               if spec.config is not None else None)
+    tuning = msgspec.msgpack.decode(spec.tuning, type=Tuning) if spec.tuning is not None else None
     caches = byte_caches(spec.seed, spec.num_blocks, spec.region_bytes)
     discovery = (aionixl.EtcdDiscovery(list(spec.discovery.endpoints), prefix=spec.discovery.prefix,
                                        ttl=spec.discovery.ttl)
                  if spec.discovery is not None else None)
     workload = resolve(spec.workload) if spec.workload is not None else None
     threads_before = os_threads()  # after the imports, before the engine
-    engine = aionixl.Engine(spec.name, caches, listen=spec.listen, config=config, discovery=discovery)
+    engine = aionixl.Engine(spec.name, caches, listen=spec.listen, config=config, discovery=discovery,
+                            tuning=tuning)
     try:
         await engine.__aenter__()
     except aionixl.ListenError as exc:

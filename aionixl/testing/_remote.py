@@ -25,6 +25,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aionixl import AionixlError, EngineConfig, EtcdDiscovery, Notification, _lines
 from aionixl._checks import check_text, check_timeout
+from aionixl._config import effective_tuning
+from aionixl.lowlevel import Tuning
 
 from ._caches import (
     DEFAULT_BLOCK_SHAPE,
@@ -113,7 +115,8 @@ class RemoteEngine:
     exit whatever happened (a graceful close, then SIGTERM, then SIGKILL, all bounded).
     ``listen`` with port 0 picks a port on the first start; :meth:`restart` reuses it.
     ``env`` is added to the child's environment (``{"UCX_TLS": "tcp"}``, say); ``config``
-    is sent to the child. ``backend`` is the child's event loop ("asyncio" or "trio").
+    and ``tuning`` (``aionixl.lowlevel.Tuning``) are sent to the child. ``backend`` is the
+    child's event loop ("asyncio" or "trio").
     ``discovery``: an :class:`aionixl.EtcdDiscovery` whose endpoints, prefix and ttl the
     child's engine registers with (the object itself stays unused here). ``workload``
     (``"module:function"``) runs in the child beside its engine, ``await
@@ -134,10 +137,13 @@ class RemoteEngine:
                  listen: str = "tcp://127.0.0.1:0", env: Mapping[str, str] | None = None,
                  config: EngineConfig | None = None, backend: str = "asyncio",
                  command_prefix: Sequence[str] = (), discovery: EtcdDiscovery | None = None,
-                 workload: str | None = None, workload_args: bytes = b"") -> None:
+                 workload: str | None = None, workload_args: bytes = b"",
+                 tuning: Tuning | None = None) -> None:
         self._block_shape = check_geometry(seed, num_blocks, block_shape, dtypes)
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an aionixl.EngineConfig, got {type(config).__name__}")
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be an aionixl.lowlevel.Tuning, got {type(tuning).__name__}")
         if backend not in ("asyncio", "trio"):
             raise ValueError(f"backend must be 'asyncio' or 'trio', got {backend!r}")
         if discovery is not None and not isinstance(discovery, EtcdDiscovery):
@@ -161,6 +167,8 @@ class RemoteEngine:
         self._address: str | None = None
         self._env = dict(env or {})
         self._config = config
+        # (with what the config was given under names that moved to Tuning)
+        self._tuning = tuning if config is None else effective_tuning(config, tuning)
         self._backend = backend
         self._prefix = tuple(command_prefix)
         self._discovery = (DiscoverySpec(tuple(discovery.endpoints), discovery.prefix, float(discovery.ttl))
@@ -411,6 +419,7 @@ class RemoteEngine:
             dtypes=self.dtypes, region_bytes=region_bytes(self._block_shape, self.dtypes), listen=listen,
             backend=self._backend,
             config=msgspec.msgpack.encode(self._config) if self._config is not None else None,
+            tuning=msgspec.msgpack.encode(self._tuning) if self._tuning is not None else None,
             discovery=self._discovery, workload=self._workload, workload_args=self._workload_args)
         argv = [*self._prefix, sys.executable, "-c", BOOTSTRAP,
                 msgspec.msgpack.encode(spec).hex()]
