@@ -5,7 +5,7 @@ same process, on DRAM), with the same regions and block ids. They alternate, a c
 ``--n`` reads each, ``--repeats`` times: this machine's noise moves both alike, so the
 number to watch is the median of the per-repeat ratios, printed with their p10-p90 spread.
 ``--telemetry`` creates the engines' agents with NIXL's per-request telemetry
-(``EngineConfig(nixl_telemetry=True)``). Usage:
+(``aionixl.lowlevel.Tuning(nixl_telemetry=True)``). Usage:
     .venv/bin/python benchmarks/overhead.py [--regions 2] [--block-bytes 4096] [--n 1000]
                                             [--repeats 25] [--telemetry]
 """
@@ -24,6 +24,7 @@ import anyio
 import numpy as np
 
 import aionixl
+import aionixl.lowlevel
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
@@ -91,11 +92,11 @@ async def paired(regions: int, blocks: int, block_bytes: int, n: int, repeats: i
     """Seconds per read, bare and aionixl, over ``repeats`` alternating chunks of ``n``."""
     src = [np.ones((blocks, block_bytes), np.uint8) for _ in range(regions)]
     dst = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(regions)]
-    cfg = aionixl.EngineConfig(nixl_telemetry=True) if telemetry else aionixl.EngineConfig()
+    tuning = aionixl.lowlevel.Tuning(nixl_telemetry=telemetry)
     with ExitStack() as stack:
         bare = bare_reader(stack, regions, blocks, block_bytes)
-        async with aionixl.Engine("eng-src", src, config=cfg) as s, \
-                aionixl.Engine("eng-dst", dst, listen=None, config=cfg) as d:
+        async with aionixl.Engine("eng-src", src, tuning=tuning) as s, \
+                aionixl.Engine("eng-dst", dst, listen=None, tuning=tuning) as d:
             assert s.address is not None
             peer = await d.connect(s.address)
             transfer = d.transfer_blocks

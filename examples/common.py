@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 if TYPE_CHECKING:  # the proxy imports this module and needs neither torch nor NIXL
     import aionixl
+    import aionixl.lowlevel
 
     from .model import ModelConfig
 
@@ -379,12 +380,23 @@ class Metrics:
                         media_type=self._client.CONTENT_TYPE_LATEST)
 
 
-def engine_config(model: ModelConfig, idle_poll_s: float) -> aionixl.EngineConfig:
+def engine_config(model: ModelConfig) -> aionixl.EngineConfig:
     """The model's shape goes into the compat keys: engines of different models refuse to pair."""
     import aionixl
 
-    return aionixl.EngineConfig(compat={"model": model.fingerprint(), "dtype": "float32"},
-                                idle_poll_interval=idle_poll_s)
+    return aionixl.EngineConfig(compat={"model": model.fingerprint(), "dtype": "float32"})
+
+
+def engine_tuning(idle_poll_s: float) -> aionixl.lowlevel.Tuning:
+    """How often an idle engine polls NIXL (``Tuning.idle_poll_interval``)."""
+    import aionixl.lowlevel
+
+    return aionixl.lowlevel.Tuning(idle_poll_interval=idle_poll_s)
+
+
+def engine_counts(engine: aionixl.Engine) -> dict[str, int | bool]:
+    """The engine's counts and flags (the number and bool fields of ``metrics()``), JSON-ready."""
+    return {key: value for key, value in engine.metrics().as_dict().items() if isinstance(value, (int, bool))}
 
 
 def quiet_logs() -> None:

@@ -65,6 +65,8 @@ from .common import (
     completion_body,
     completion_stream,
     engine_config,
+    engine_counts,
+    engine_tuning,
     error_code,
     internal_error,
     models_body,
@@ -181,9 +183,10 @@ class DecodeServer:
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        config = engine_config(self.model.config, self.idle_poll_s)
+        config, tuning = engine_config(self.model.config), engine_tuning(self.idle_poll_s)
         async with aionixl.Engine(f"decode-{os.getpid()}", self.model.cache_regions(self.cache),
-                                  listen=None, config=config) as engine, \
+                                  listen=None, config=config,
+                                  tuning=tuning) as engine, \
                 httpx.AsyncClient(base_url=self.prefill_url, timeout=self.prefill_timeout) as http:
             self._engine, self._http = engine, http
             self.metrics.attach(engine)
@@ -382,7 +385,7 @@ class DecodeServer:
             "free_blocks": self.pool.free_count,
             "outcomes": dict(self.outcomes),
             "engine": None if engine is None else {
-                "name": engine.name, **engine.stats(),
+                "name": engine.name, **engine_counts(engine),
                 "peers": [{"name": p.name, "address": p.address} for p in engine.peers.values()],
             },
         })
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-url", default="http://127.0.0.1:8100")
     parser.add_argument("--blocks", type=int, default=2048, help="KV cache blocks (16 KiB each)")
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL_S,
-                        help="EngineConfig.idle_poll_interval")
+                        help="aionixl.lowlevel.Tuning.idle_poll_interval")
     parser.add_argument("--prefill-timeout", type=float, default=10.0,
                         help="seconds for the direct path's prefill call")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds for engine.connect")

@@ -49,6 +49,8 @@ from .common import (
     completion_body,
     completion_stream,
     engine_config,
+    engine_counts,
+    engine_tuning,
     internal_error,
     models_body,
     parse_completion,
@@ -98,9 +100,10 @@ class PrefillServer:
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         """The engine lives as long as the app; lease tasks end before the engine closes."""
-        config = engine_config(self.model.config, self.idle_poll_s)
+        config, tuning = engine_config(self.model.config), engine_tuning(self.idle_poll_s)
         async with aionixl.Engine(f"prefill-{os.getpid()}", self.model.cache_regions(self.cache),
-                                  listen=f"tcp://{self.engine_host}:0", config=config) as engine, \
+                                  listen=f"tcp://{self.engine_host}:0", config=config,
+                                  tuning=tuning) as engine, \
                 anyio.create_task_group() as tasks:
             self._engine, self._tasks = engine, tasks
             self.metrics.attach(engine)
@@ -190,7 +193,7 @@ class PrefillServer:
             "active_leases": 0 if engine is None else len(engine.leases),
             **self.counts,
             "engine": None if engine is None else {
-                "name": engine.name, "address": engine.address, **engine.stats(),
+                "name": engine.name, "address": engine.address, **engine_counts(engine),
                 "peers": sorted(engine.peers),
             },
         })
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease", type=float, default=DEFAULT_LEASE_S,
                         help="seconds blocks stay leased without a read notification")
     parser.add_argument("--idle-poll", type=float, default=DEFAULT_IDLE_POLL_S,
-                        help="EngineConfig.idle_poll_interval")
+                        help="aionixl.lowlevel.Tuning.idle_poll_interval")
     parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, ...")
     args = parser.parse_args(argv)
     quiet_logs()

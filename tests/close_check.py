@@ -10,6 +10,7 @@ import sys
 import anyio
 
 import aionixl
+import aionixl.lowlevel
 from aionixl.testing import RemoteEngine
 
 from .helpers import numpy_cache
@@ -24,7 +25,7 @@ async def main() -> None:
         # A longer grace than the default 0.5 s: on a loaded 2-core machine 64 reads of
         # 512 KiB over TCP can outlast 0.5 s, and what is checked is that close waits.
         eng = aionixl.Engine("close-check", numpy_cache(64, 1 << 18, 2), listen=None,
-                             config=aionixl.EngineConfig(close_grace=3.0))
+                             tuning=aionixl.lowlevel.Tuning(close_grace=3.0))
         async with eng:
             peer = await eng.connect(remote.address, timeout=30)
 

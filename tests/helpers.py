@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import testing
 from aionixl.testing import unique_name
 from aionixl.testing._child import threads_by_id
@@ -44,12 +45,24 @@ def numpy_cache(num_blocks: int = 16, block_bytes: int = 4096, regions: int = 2,
 
 @asynccontextmanager
 async def engine_pair(src_cache: list[Any], dst_cache: list[Any],
-                      config: aionixl.EngineConfig | None = None,
+                      config: aionixl.EngineConfig | None = None, *,
+                      tuning: aionixl.lowlevel.Tuning | None = None,
                       ) -> AsyncIterator[tuple[aionixl.Engine, aionixl.Engine, aionixl.Peer]]:
     """:func:`aionixl.testing.engine_pair` over these caches, as (the source engine, which
-    listens; the destination engine; the destination's Peer for the source)."""
-    async with testing.engine_pair(a_caches=dst_cache, b_caches=src_cache, config=config) as pair:
-        yield pair.b, pair.a, pair.peer
+    listens; the destination engine; the destination's Peer for the source). With
+    ``tuning``, both engines get it too (built here as ``testing.engine_pair`` builds them:
+    it takes no tuning)."""
+    if tuning is None:
+        async with testing.engine_pair(a_caches=dst_cache, b_caches=src_cache, config=config) as pair:
+            yield pair.b, pair.a, pair.peer
+        return
+    async with aionixl.Engine(unique_name("pair-b"), src_cache, listen="tcp://127.0.0.1:0", config=config,
+                              tuning=tuning) as src, \
+            aionixl.Engine(unique_name("pair-a"), dst_cache, listen=None, config=config,
+                           tuning=tuning) as dst:
+        assert src.address is not None
+        peer = await dst.connect(src.address, timeout=30)
+        yield src, dst, peer
 
 
 def zero_resources(engine: aionixl.Engine) -> bool:
@@ -149,7 +162,7 @@ def finish_inside_posts(engine: aionixl.Engine, target: aionixl.Engine) -> None:
 
 BLOCKS, BLOCK_BYTES, REGIONS = 64, 1024, 2
 #: A wide window makes "arriving together" certain on a loaded machine.
-TOGETHER = aionixl.EngineConfig(coalesce_window=0.05)
+TOGETHER = aionixl.lowlevel.Tuning(coalesce_window=0.05)
 #: ``RemoteEngine``/``assert_blocks_equal`` geometry of ``numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)``.
 GEOMETRY: dict[str, Any] = {"num_blocks": BLOCKS, "block_shape": (BLOCK_BYTES,),
                             "dtypes": ("uint8",) * REGIONS}
@@ -157,8 +170,8 @@ GEOMETRY: dict[str, Any] = {"num_blocks": BLOCKS, "block_shape": (BLOCK_BYTES,),
 
 def merged(engine: aionixl.Engine) -> tuple[int, int]:
     """The engine's (merged requests, calls they carried) so far."""
-    stats = engine.stats()
-    return stats["merged_requests"], stats["merged_calls"]
+    metrics = engine.metrics()
+    return metrics.merged_requests, metrics.merged_calls
 
 
 def posted_requests(engine: aionixl.Engine, side: str) -> list[list[int]]:
@@ -200,8 +213,8 @@ async def first_post_reported_running(seed: int) -> AsyncIterator[
 
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=seed)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=seed + 1)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (src, dst, peer):
         agent, real_start, _ = await gathering_next(src, dst, peer)
         posts: list[list[int]] = []
 

@@ -25,6 +25,7 @@ import anyio
 import numpy as np
 
 import aionixl
+import aionixl.lowlevel
 from aionixl._lines import LineReader, write_file
 from aionixl.testing import make_caches
 
@@ -134,8 +135,9 @@ class Driver:
             return {"ok": True, "count": int(sum(int(np.count_nonzero(c != cmd["value"]))
                                                 for c in self.cache))}
         if op == "state":
+            counts = {k: v for k, v in engine.metrics().as_dict().items() if isinstance(v, (int, bool))}
             return {"ok": True, "peers": {n: p.connected for n, p in engine.peers.items()},
-                    "resources": engine.live_resources(), "stats": engine.stats()}
+                    "resources": engine.live_resources(), "stats": counts}
         if op == "close":
             return await self.close(cmd.get("inflight", 0), cmd.get("inflight_timeout", 60.0))
         raise ValueError(f"unknown op {op!r}")
@@ -180,9 +182,9 @@ async def main() -> None:
     args = parser.parse_args()
     logging.getLogger("nixl").setLevel(logging.WARNING)
     driver = Driver(args)
-    config = aionixl.EngineConfig(idle_poll_interval=0.01, max_handshake_bytes=args.max_handshake_bytes,
-                                  push_cancel_timeout=0.5)
-    async with aionixl.Engine(args.name, driver.cache, listen=args.listen, config=config) as engine:
+    tuning = aionixl.lowlevel.Tuning(idle_poll_interval=0.01, max_handshake_bytes=args.max_handshake_bytes,
+                                     push_cancel_timeout=0.5)
+    async with aionixl.Engine(args.name, driver.cache, listen=args.listen, tuning=tuning) as engine:
         driver.engine = engine
         write_file(sys.stdout, {"event": "ready", "name": engine.name, "address": engine.address})
         fd = sys.stdin.fileno()

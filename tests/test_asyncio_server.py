@@ -39,7 +39,7 @@ async def test_task_cancel_of_a_notification_wait() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert eng.stats()["notification_waiters"] == 0
+        assert eng.metrics().notification_waiters == 0
 
 
 @pytest.mark.asyncio

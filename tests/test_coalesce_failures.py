@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _coalesce, _nixl
 from aionixl.testing import RemoteEngine
 
@@ -46,7 +47,7 @@ async def test_a_bad_timeout_or_notify_fails_alone_while_a_merged_request_gather
         {"notify": b"\x00aionixl-x"}, {"notify": bytearray(b"\x00aionixl-y")}]
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=15)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=16)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         for block in range(20):
             await dst.transfer_blocks(peer, [block], [block])
         before = dst_cache[0][0].copy()
@@ -83,7 +84,7 @@ async def test_a_bad_timeout_or_notify_fails_alone_while_a_merged_request_gather
 async def test_a_bad_call_among_good_ones_fails_alone_before_anything_is_posted() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=5)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
         outcomes: dict[int, object] = {}
 
         async def call(i: int, lb: list[int], rb: list[int]) -> None:
@@ -108,9 +109,10 @@ async def test_a_bad_call_among_good_ones_fails_alone_before_anything_is_posted(
 
 async def test_a_peer_killed_under_a_merged_request_fails_every_member() -> None:
     local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=0.05, read_mode="get")  # GET reads merge
+    config = aionixl.EngineConfig(read_mode="get")  # GET reads merge
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=0.05)
     async with RemoteEngine(seed=12, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
-            aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+            aionixl.Engine(unique("coal"), local, listen=None, config=config, tuning=tuning) as eng:
         peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])
         await child.pause()
@@ -144,7 +146,7 @@ async def test_an_eviction_just_after_a_merged_request_ended_leaves_its_members_
     its read failed would read, and notify, again)."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=35)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
         transfers = dst._coalescer
         await dst.transfer_blocks(peer, [0], [0])  # another task called just now: gather
         # The merged read must end through the poller, not inside its post: one that did is
@@ -197,8 +199,8 @@ async def test_a_leaver_that_finds_the_merged_request_failed_fails_the_others(
     joined), it still releases the request: the poller skips ended ones."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=39)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=40)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (src, dst, peer):
         agent, real_start, real_check = await gathering_next(src, dst, peer)
         stuck = STAND_IN
         posts: list[int] = []
@@ -237,7 +239,7 @@ async def test_a_leaver_that_finds_the_merged_request_failed_fails_the_others(
                     await anyio.sleep(0.01)
                 await anyio.sleep(0.05)
                 leaver.cancel()
-        assert posts == [(1 + len(others)) * REGIONS] and dst.stats()["reposts"] == 0, posts
+        assert posts == [(1 + len(others)) * REGIONS] and dst.metrics().reposts == 0, posts
         assert 1 not in outcomes  # cancelled: nothing returned
         expected = aionixl.PeerDisconnectedError if failure == "ERR" else aionixl.TransferError
         for block in others:
@@ -286,7 +288,7 @@ async def test_members_of_a_merged_read_that_failed_fence_before_they_return() -
         assert all(type(outcomes[b]) is aionixl.TransferError for b in (1, 3, 4)), outcomes
         assert posts[0] == sorted(r * BLOCKS + b for b in (1, 3, 4) for r in range(REGIONS))
         assert sorted(posts[1:]) == [[1], [3], [4]], posts  # a fence per member, its first block
-        assert peer.name in dst.peers and dst.stats()["reposts"] == 0
+        assert peer.name in dst.peers and dst.metrics().reposts == 0
         assert STAND_IN not in dst._inflight.records
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _nixl
 from aionixl._regions import region_offsets
 from aionixl.testing import RemoteEngine
@@ -63,7 +64,7 @@ async def test_a_caller_of_a_repeated_pair_that_times_out_leaves_the_others_thei
                                    {0: 15, 1: 0.3, 2: 15})
         pair = [9, BLOCKS + 9]
         assert posts[0] == pair and posts[-1] == pair and len(posts) <= 3, posts  # (a fence between)
-        assert dst.stats()["reposts"] == 1 and merged(dst) == (1, 3)
+        assert dst.metrics().reposts == 1 and merged(dst) == (1, 3)
         assert isinstance(outcomes[1], aionixl.TransferTimeoutError), outcomes
         assert all(isinstance(outcomes[i], aionixl.TransferResult) for i in (0, 2)), outcomes
         for r in range(REGIONS):
@@ -79,9 +80,9 @@ async def test_cancelling_one_member_leaves_the_others_correct() -> None:
     stopped peer cannot answer the fence: it is evicted, see the read modes.)"""
     local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=21)
     source = [r.copy() for r in local]
-    config = aionixl.EngineConfig(coalesce_window=0.05)
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=0.05)
     async with RemoteEngine(seed=11, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
-            aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+            aionixl.Engine(unique("coal"), local, listen=None, tuning=tuning) as eng:
         peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0])  # connection warm
         await child.pause()
@@ -134,8 +135,8 @@ async def test_a_caller_cancelled_while_gathering_leaves_and_the_others_go_out(
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=31)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=32)
     before = [r.copy() for r in dst_cache]
-    config = aionixl.EngineConfig(coalesce_window=5.0)
-    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_src, dst, peer):
         posted = posted_requests(dst, "local")
         done: dict[int, aionixl.TransferResult] = {}
         cancelled: list[int] = []
@@ -212,8 +213,8 @@ async def test_a_member_whose_deadline_passes_as_its_request_finishes_reports_it
     (a caller told it timed out would move, and notify, twice), as do the others."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=31)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_src, dst, peer):
         someone_left = await _hide_request_ends(dst, peer)  # block 2 read: the next gathers
         results: dict[int, aionixl.TransferResult] = {}
 
@@ -243,8 +244,8 @@ async def test_a_member_cancelled_as_its_request_finishes_reports_its_blocks(rol
     request done. It returns its result and meets the cancellation at its next checkpoint."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=32)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_src, dst, peer):
         someone_left = await _hide_request_ends(dst, peer)  # block 2 read: the next gathers
         results: dict[int, aionixl.TransferResult] = {}
         events: list[str] = []
@@ -297,8 +298,8 @@ async def test_members_leaving_together_each_take_their_blocks_out_and_fence_the
     returns: its blocks may not be written, nor its notification sent, after it left."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=33)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_src, dst, peer):
         await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
         agent, direct = dst._local.agent, dst._direct
         assert agent is not None
@@ -376,8 +377,8 @@ async def test_on_asyncio_a_leavers_fence_cut_short_by_a_native_cancel_still_set
     before, the request was never posted again and they waited past their deadlines."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=36)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_src, dst, peer):
         await dst.transfer_blocks(peer, [2], [2])  # the next call from another task gathers
         agent = dst._local.agent
         assert agent is not None
@@ -418,7 +419,7 @@ async def test_on_asyncio_a_leavers_fence_cut_short_by_a_native_cancel_still_set
                 tg.start_soon(member, 4)
         assert outcomes == {1: "asyncio.timeout", 3: "peer disconnected", 4: "peer disconnected"}
         assert posts[:2] == [3 * REGIONS, 1], posts  # the merged read, then the fence
-        assert not peer.connected and dst.stats()["fence_evictions"] == 1
+        assert not peer.connected and dst.metrics().fence_evictions == 1
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
@@ -428,9 +429,9 @@ async def test_members_time_out_at_their_own_deadlines_and_the_rest_go_on() -> N
     fail at their deadline, the others wait on and their blocks land after the resume."""
     local = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=22)
     source = [r.copy() for r in local]
-    config = aionixl.EngineConfig(coalesce_window=0.05)
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=0.05)
     async with RemoteEngine(seed=13, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
-            aionixl.Engine(unique("coal"), local, listen=None, config=config) as eng:
+            aionixl.Engine(unique("coal"), local, listen=None, tuning=tuning) as eng:
         peer = await eng.connect(child.address, timeout=30)
         for i in range(7):  # each block once: later one-block calls join on the fast path
             await eng.transfer_blocks(peer, [i], [i], "write")
@@ -489,7 +490,7 @@ async def test_a_one_block_member_leaves_a_request_opened_by_a_call_with_array_i
         outcomes = await together(call, {0: 15, 1: 15, 2: 0.3})
         assert isinstance(outcomes[2], aionixl.TransferTimeoutError), outcomes
         assert all(isinstance(outcomes[i], aionixl.TransferResult) for i in (0, 1)), outcomes
-        assert len(posts[0]) == 42 * REGIONS and dst.stats()["reposts"] == 1, posts
+        assert len(posts[0]) == 42 * REGIONS and dst.metrics().reposts == 1, posts
         assert 2 not in posts[-1] and 1 in posts[-1] and len(posts[-1]) == 41 * REGIONS, posts
         for r in range(REGIONS):
             for block in [1, *wide]:

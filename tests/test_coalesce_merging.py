@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _coalesce, _transfers
 from aionixl._regions import region_offsets, small_indices
 
@@ -102,7 +103,7 @@ async def test_callers_moving_the_same_block_pair_ride_once(op: str) -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=41)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=42)
     src_before, dst_before = [r.copy() for r in src_cache], [r.copy() for r in dst_cache]
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
         posted = posted_requests(dst, "local" if op == "read" else "remote")
         results: dict[int, Any] = {}
@@ -146,7 +147,7 @@ async def test_callers_moving_the_same_block_pair_ride_once(op: str) -> None:
         for i in (100, 101, 102, 200):
             assert (await src.wait_notification(b"c-%d" % i, timeout=10)).peer == dst.name
         await anyio.sleep(0.2)
-        assert src.stats()["notifications_kept"] == 0  # each arrived once, and was taken
+        assert src.metrics().notifications_kept == 0  # each arrived once, and was taken
         for i in range(len(calls)):
             with pytest.raises(TimeoutError):
                 await src.wait_notification(b"c-%d" % i, timeout=0.05)
@@ -158,7 +159,7 @@ async def test_concurrent_reads_and_writes_of_mixed_sizes_are_merged_and_exact()
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=2)
     src_before = [r.copy() for r in src_cache]
     dst_before = [r.copy() for r in dst_cache]
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         # Reads: dst blocks 0..31 <- src blocks 32..63 (reversed), in calls of 1, 3 and 12.
         reads: list[tuple[list[int], list[int]]] = []
         local = list(range(32))
@@ -206,7 +207,7 @@ async def test_one_block_calls_given_as_tuples_ranges_arrays_or_numpy_ints_merge
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=12)
     src_before = [r.copy() for r in src_cache]
     dst_before = [r.copy() for r in dst_cache]
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         results: dict[int, aionixl.TransferResult] = {}
 
         async def call(i: int) -> None:
@@ -239,7 +240,7 @@ async def test_one_block_calls_over_more_blocks_than_the_engine_remembers_are_ex
     src_cache = numpy_cache(blocks, 16, REGIONS, seed=17)
     dst_cache = numpy_cache(blocks, 16, REGIONS, seed=18)
     src_before = [r.copy() for r in src_cache]
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         width = 64
 
         async def worker(i: int) -> None:
@@ -262,7 +263,7 @@ async def test_one_block_calls_over_more_blocks_than_the_engine_remembers_are_ex
 async def test_writes_to_the_same_destination_block_are_never_merged() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
         posted = posted_requests(dst, "remote")
         async with anyio.create_task_group() as tg:
             for i in range(6):
@@ -284,7 +285,7 @@ async def test_callers_sharing_destination_blocks_fill_few_requests() -> None:
     run of equal blocks would open one request per caller: 13 here.)"""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
         await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
         posted = posted_requests(dst, "local")
         results: dict[int, Any] = {}
@@ -320,7 +321,7 @@ class _Index:
 async def test_writers_of_one_block_given_as_index_objects_are_never_merged() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
         await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
         posted = posted_requests(dst, "remote")
         async with anyio.create_task_group() as tg:
@@ -335,7 +336,7 @@ async def test_writers_of_one_block_given_as_index_objects_are_never_merged() ->
 async def test_a_lone_caller_never_gathers() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=7)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
         for i in range(200):
             await dst.transfer_blocks(peer, [i % BLOCKS], [i % BLOCKS], notify=b"n")
         assert merged(dst) == (0, 0)
@@ -358,10 +359,10 @@ async def test_calls_moving_more_than_coalesce_max_call_bytes_post_alone() -> No
     # Four blocks of 2 KiB ride; five do not. Large calls gain little from a shared post and
     # would wait for each other's bytes (docs/coalescing.md).
     limit = 4 * BLOCK_BYTES * REGIONS
-    config = aionixl.EngineConfig(coalesce_window=0.05, coalesce_max_call_bytes=limit)
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=0.05, coalesce_max_call_bytes=limit)
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=34)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (src, dst, peer):
         async def read(size: int, i: int) -> None:
             ids = list(range(i * size, (i + 1) * size))
             await dst.transfer_blocks(peer, ids, ids[::-1])
@@ -390,7 +391,7 @@ async def test_a_merged_request_of_a_mebibyte_or_more_carries_every_member_exact
     callers = _coalesce._LONG_POST // (block_bytes * REGIONS) + 8
     src_cache = numpy_cache(callers, block_bytes, REGIONS, seed=33)
     dst_cache = numpy_cache(callers, block_bytes, REGIONS)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         posted = posted_requests(dst, "local")
         results: dict[int, aionixl.TransferResult] = {}
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _nixl
 
 from .helpers import (
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.anyio
 async def test_each_notification_arrives_once_and_after_its_data(warm: bool) -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=3)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=4)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         if warm:
             # Every block below seen once (crosswise, so that no data is in place yet): the
             # one-block calls then join on the fast path, notifications and all.
@@ -72,7 +73,7 @@ async def test_each_notification_arrives_once_and_after_its_data(warm: bool) -> 
         assert requests >= 1 and calls > requests
         # Exactly once: nothing left over, nothing else arrives.
         await anyio.sleep(0.1)
-        assert src.stats()["notifications_kept"] == 0
+        assert src.metrics().notifications_kept == 0
         with pytest.raises(TimeoutError):
             await src.wait_notification(b"w-0", timeout=0.2)
 
@@ -114,7 +115,7 @@ async def _heard_once(src: aionixl.Engine, dst: aionixl.Engine, blocks: tuple[in
     for block in blocks:
         assert (await src.wait_notification(b"n-%d" % block, timeout=10)).peer == dst.name
     await anyio.sleep(0.2)
-    assert src.stats()["notifications_kept"] == 0
+    assert src.metrics().notifications_kept == 0
     for block in blocks:
         with pytest.raises(TimeoutError):
             await src.wait_notification(b"n-%d" % block, timeout=0.2)
@@ -130,11 +131,11 @@ async def test_a_merged_write_posted_again_after_a_member_left_notifies_the_othe
     already delivered (both sides announce "tagged-notify")."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=35)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=36)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (src, dst, peer):
         assert "tagged-notify" in peer.features
         posts, _ = await _notify_writes_with_one_post_stuck(src, dst, peer)
-        assert len(posts) == 2 and merged(dst) == (1, 3) and dst.stats()["reposts"] == 1, posts
+        assert len(posts) == 2 and merged(dst) == (1, 3) and dst.metrics().reposts == 1, posts
         for block in (3, 4):
             for region in range(REGIONS):
                 assert np.array_equal(src_cache[region][block], dst_cache[region][block])
@@ -150,8 +151,8 @@ async def test_calls_with_notify_to_a_peer_without_tags_post_alone() -> None:
     two callers' notifications still arrive exactly once."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=37)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=38)
-    config = aionixl.EngineConfig(coalesce_window=5.0, inline_polls=0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (src, dst, peer):
         peer.features = peer.features - {"tagged-notify"}
         posts, _ = await _notify_writes_with_one_post_stuck(src, dst, peer)
         assert sorted(posts) == [b"n-1", b"n-3", b"n-4"] and merged(dst) == (0, 0), posts

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _coalesce
 
 from .helpers import (
@@ -40,7 +41,7 @@ async def test_members_beyond_one_wake_chunk_all_wake_with_their_own_bytes() -> 
     see the last round's)."""
     src_cache = numpy_cache(MANY, 512, REGIONS, seed=31)
     dst_cache = numpy_cache(MANY, 512, REGIONS)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         posted = posted_requests(dst, "local")
         rounds = 4
         done = [0] * MANY
@@ -72,7 +73,7 @@ async def test_waking_members_in_chunks_does_not_wake_the_drainer() -> None:
     back-off from its shortest step."""
     src_cache = numpy_cache(MANY, 512, REGIONS, seed=34)
     dst_cache = numpy_cache(MANY, 512, REGIONS)
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         transfers = dst._coalescer
         chunk_wakes = 0
         real_wake_members = transfers._wake_members
@@ -118,7 +119,7 @@ async def test_closing_while_members_are_woken_in_chunks_leaves_no_one_waiting()
         except aionixl.EngineClosedError:
             outcomes.append("closed")
 
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 for block in range(MANY):
@@ -163,7 +164,7 @@ async def test_a_member_cancelled_while_waiting_for_its_wake_after_its_blocks_la
         if scopes[block].cancelled_caught:
             cancelled_after.append(block)
 
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         posted = posted_requests(dst, "local")
         await _until_chunks_wait_then(dst, peer, caller, lambda: [s.cancel() for s in scopes])
         stats = dst.metrics().transfers["read"]
@@ -210,7 +211,7 @@ async def test_on_asyncio_a_member_that_keeps_its_result_still_times_out_in_asyn
         except asyncio.CancelledError:
             leaked.append(block)
 
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         posted = posted_requests(dst, "local")
         await _until_chunks_wait_then(dst, peer, caller,
                                       lambda: [t.reschedule(loop.time()) for t in timeouts])
@@ -260,7 +261,7 @@ async def test_on_asyncio_a_kept_result_leaves_no_cancellation_behind_its_scope(
         except asyncio.CancelledError:
             after.append("cancelled outside its scope")
 
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         await _until_chunks_wait_then(dst, peer, caller, lambda: [c() for c in cancels])
     assert len(kept) > 2 * _coalesce._WAKE_CHUNK  # members that kept their results
     assert after == ["ok"] * MANY
@@ -285,7 +286,7 @@ async def test_on_asyncio_a_member_that_keeps_its_result_still_stops_with_its_ta
             stopped.append(block)
             raise
 
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
         transfers = dst._coalescer
         chunks_wait = asyncio.Event()
         real_wake = transfers._wake_members
@@ -322,8 +323,8 @@ async def test_on_asyncio_a_task_that_kept_a_result_meets_its_cancellation_on_it
     rather than keep another result (round after round, it would never stop)."""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=37)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
-    config = aionixl.EngineConfig(coalesce_window=5.0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=5.0)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (src, dst, peer):
         await dst.transfer_blocks(peer, [0], [0])  # another task called: the next gathers
         finish_inside_posts(dst, src)  # on a loaded machine a post may return before its end
         outcomes: list[str] = []

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl.testing import RemoteEngine, assert_blocks_equal, assert_no_resources
 from aionixl.testing._plugin import RemoteEngineFactory
 
@@ -79,8 +80,8 @@ async def test_timeout_aborts_and_releases_the_handle(tcp_peer: RemoteEngine) ->
     default over TCP), so the reader evicts it push_cancel_timeout after the deadline."""
     child = tcp_peer
     local = numpy_cache(8, 4 << 20, 1)
-    config = aionixl.EngineConfig(push_cancel_timeout=0.3)
-    async with aionixl.Engine(unique("dec"), local, listen=None, config=config) as eng:
+    tuning = aionixl.lowlevel.Tuning(push_cancel_timeout=0.3)
+    async with aionixl.Engine(unique("dec"), local, listen=None, tuning=tuning) as eng:
         peer = await _connected(eng, child)
         assert peer.read_mode == "push"
         async with child.paused():
@@ -95,7 +96,7 @@ async def test_timeout_aborts_and_releases_the_handle(tcp_peer: RemoteEngine) ->
             assert 0.6 - LOOP_CLOCK_SLACK <= elapsed < 2.5
             assert eng.live_resources()["transfer_handles"] == 0
             assert eng.live_resources()["in_flight"] == 0
-            assert not peer.connected and eng.stats()["fence_evictions"] == 1
+            assert not peer.connected and eng.metrics().fence_evictions == 1
         # The peer is alive again: connect() reaches it and reads work.
         peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [5], [5], timeout=30)
@@ -250,7 +251,7 @@ async def test_an_unstaged_push_read_ended_around_a_close_returns_once_its_peer_
     heard: list[bool] = []
     async with eng:
         peer = await _connected(eng, child)
-        assert peer.read_mode == "push" and eng.stats()["staging_slots"] == 0
+        assert peer.read_mode == "push" and eng.metrics().staging_slots == 0
         async with child.paused():
             async def read() -> None:
                 with pytest.raises(error):
@@ -319,8 +320,9 @@ async def test_merged_readers_one_of_which_leaves_during_close_are_told_once_the
     monkeypatch.setenv("UCX_TLS", "tcp")
     child = await aionixl_remote(seed=7, env={"UCX_TLS": "tcp"}, **geometry(8, 64 << 10, 1))
     local = numpy_cache(8, 64 << 10, 1)
-    config = aionixl.EngineConfig(read_mode="get", coalesce_window=0.05)
-    eng = aionixl.Engine(unique("dec"), local, listen=None, config=config)
+    config = aionixl.EngineConfig(read_mode="get")
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=0.05)
+    eng = aionixl.Engine(unique("dec"), local, listen=None, config=config, tuning=tuning)
     heard: dict[int, tuple[str, bool]] = {}
     async with eng:
         peer = await _connected(eng, child)
@@ -344,7 +346,7 @@ async def test_merged_readers_one_of_which_leaves_during_close_are_told_once_the
             for i in range(1, 5):
                 tg.start_soon(read, i)
             await anyio.sleep(0.1)
-            assert eng.stats()["merged_requests"] >= 1, eng.stats()
+            assert eng.metrics().merged_requests >= 1, eng.metrics()
             tg.start_soon(leave_during_close)
             await eng.aclose()
     await child.kill()
@@ -395,7 +397,7 @@ async def test_killed_peer_is_evicted_and_a_restart_on_its_port_is_reachable(
         # ours, and the bystander's two (its blocks, its staging slots)
         assert live["remote_agents"] == 1 and live["dlists"] == 3
         assert live["transfer_handles"] == 0 and live["in_flight"] == 0
-        assert eng.stats()["peers_evicted"] == 1
+        assert eng.metrics().peers_evicted == 1
         with pytest.raises(aionixl.PeerDisconnectedError, match="connect"):
             await eng.transfer_blocks(peer, [0], [0])
         # Everyone else carries on.
@@ -456,8 +458,8 @@ async def test_a_peer_that_dies_while_idle_is_found_by_the_probe(aionixl_remote:
                                                                  direction: str) -> None:
     """No transfer needs to fail: the liveness probe notices the death and evicts the peer,
     on the connecting side and on the listening side (where stale peers would pile up)."""
-    config = aionixl.EngineConfig(peer_probe_interval=0.2)
-    async with aionixl.Engine(unique("eng"), numpy_cache(4, 4096, 1), config=config) as eng:
+    tuning = aionixl.lowlevel.Tuning(peer_probe_interval=0.2)
+    async with aionixl.Engine(unique("eng"), numpy_cache(4, 4096, 1), tuning=tuning) as eng:
         if direction == "outbound":
             child = await aionixl_remote(seed=1234, **geometry(4, 4096, 1))
             await eng.connect(child.address, timeout=30)
@@ -470,12 +472,12 @@ async def test_a_peer_that_dies_while_idle_is_found_by_the_probe(aionixl_remote:
                 await anyio.sleep(0.01)
         await anyio.sleep(0.5)
         assert child.name in eng.peers  # probes of a live peer change nothing
-        assert eng.stats()["notifications_kept"] == 0  # nor do they reach anyone's mailbox
+        assert eng.metrics().notifications_kept == 0  # nor do they reach anyone's mailbox
         await child.kill()
         with anyio.fail_after(5):
             while child.name in eng.peers:
                 await anyio.sleep(0.02)
-        assert eng.stats()["peers_evicted"] == 1
+        assert eng.metrics().peers_evicted == 1
         live = eng.live_resources()
         assert live["remote_agents"] == 0 and live["dlists"] == 1  # only our own
     assert_no_resources(eng)
@@ -488,23 +490,23 @@ async def test_a_killed_client_restarted_under_its_name_replaces_the_old_one_at_
     drops it and loads the new one in one step (NIXL's remove_remote_agent followed at once
     by add_remote_agent for the same name), and both directions work with the new one."""
     env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
-    config = aionixl.EngineConfig(peer_probe_interval=math.inf)
+    tuning = aionixl.lowlevel.Tuning(peer_probe_interval=math.inf)
     name = unique("decoder")
     local = numpy_cache(4, 4096, 1)
-    async with aionixl.Engine(unique("pre"), local, config=config) as pre:
+    async with aionixl.Engine(unique("pre"), local, tuning=tuning) as pre:
         assert pre.address is not None
         for incarnation, seed in enumerate((11, 12, 13), start=1):
             child = await aionixl_remote(name, seed=seed, env=env, **geometry(4, 4096, 1))
             await child.connect(pre.address, timeout=30)
             with anyio.fail_after(20):
-                while pre.stats()["handshakes_accepted"] < incarnation:
+                while pre.metrics().handshakes_accepted < incarnation:
                     await anyio.sleep(0.01)
             peer = pre.peers[name]
             await pre.transfer_blocks(peer, [0, 1, 2, 3], [3, 2, 1, 0], timeout=20)
             assert_blocks_equal(local, [0, 1, 2, 3], seed, [3, 2, 1, 0], **child.geometry)
             assert pre.live_resources()["remote_agents"] == 1
             await child.kill()
-        assert pre.stats()["handshakes_accepted"] == 3
+        assert pre.metrics().handshakes_accepted == 3
 
 
 async def test_dropping_a_peer_leaves_a_recycled_handle_of_another_alone(tcp_peer: RemoteEngine) -> None:

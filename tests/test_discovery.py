@@ -88,7 +88,7 @@ async def test_register_connect_to_by_name_and_transfer(anyio_backend: Any, etcd
             assert record.address == prefill.address
             assert record.num_blocks == 16 and record.bytes_per_block == (4096, 4096)
             assert record.region_count == 2 and record.mem_type == "DRAM" and record.features
-            assert prefill.stats()["discovery_registrations"] == 1
+            assert prefill.metrics().discovery_registrations == 1
             m = prefill.metrics()
             assert (m.discovery_registered, m.discovery_registrations, m.discovery_keepalive_failures) == (
                 True, 1, 0)
@@ -105,7 +105,7 @@ async def test_register_connect_to_by_name_and_transfer(anyio_backend: Any, etcd
                 for src, dst in zip(src_cache, dst_cache, strict=True):
                     assert np.array_equal(dst[[0, 1, 2]], src[[5, 9, 15]])
                     assert not dst[3:].any()
-                assert decode.stats()["discovery_registrations"] == 0
+                assert decode.metrics().discovery_registrations == 0
             # A closed engine's key is gone at once (its lease revoked in the close).
             await prefill.aclose()
             assert await registered(etcd, pfx) == {}
@@ -350,7 +350,7 @@ async def test_engine_outlives_etcd_and_registers_again(anyio_backend: Any, own_
             own_etcd.stop()
 
             async def failed_twice() -> bool:
-                return prefill.stats()["discovery_keepalive_failures"] >= 2
+                return prefill.metrics().discovery_keepalive_failures >= 2
 
             await wait_until(failed_twice, 20)
             # The engines keep serving each other meanwhile.
@@ -369,10 +369,10 @@ async def test_engine_outlives_etcd_and_registers_again(anyio_backend: Any, own_
             await wait_until(back, 15)
             await wait_until(lambda: _stays_registered(prefill), 10)
             # A lost lease means a new one; a kept one is simply kept alive again.
-            assert prefill.stats()["discovery_registrations"] == (2 if fresh else 1)
+            assert prefill.metrics().discovery_registrations == (2 if fresh else 1)
             m = prefill.metrics()  # the same figures for a Prometheus scrape
             assert m.discovery_registered and m.discovery_registrations == (2 if fresh else 1)
-            assert m.discovery_keepalive_failures == prefill.stats()["discovery_keepalive_failures"] >= 2
+            assert m.discovery_keepalive_failures == prefill.metrics().discovery_keepalive_failures >= 2
             record = (await registered(own_etcd, pfx))[prefill_name]
             assert record.address == prefill.address
             assert await decode.connect_to(prefill_name) is peer

@@ -20,6 +20,8 @@ import torch
 import zmq
 
 import aionixl
+import aionixl.lowlevel
+import aionixl.vllm
 from aionixl import _zmq
 
 from .helpers import (
@@ -159,12 +161,12 @@ async def test_early_notification_is_kept_and_returned_at_once() -> None:
     async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1)) as (listener, eng, peer):
         await eng.send_notification(peer, b"early")
         with anyio.fail_after(10):
-            while listener.stats()["notifications_kept"] == 0:
+            while listener.metrics().notifications_kept == 0:
                 await anyio.sleep(0.005)
         with anyio.fail_after(0.5):
             note = await listener.wait_notification(b"early")
         assert note == aionixl.Notification(eng.name, b"early")
-        assert listener.stats()["notifications_kept"] == 0
+        assert listener.metrics().notifications_kept == 0
 
 
 async def test_each_notification_satisfies_exactly_one_waiter() -> None:
@@ -186,7 +188,7 @@ async def test_each_notification_satisfies_exactly_one_waiter() -> None:
             assert len(got) == 1  # the second waiter is still waiting
             await eng.send_notification(peer, b"same")
         assert len(got) == 2
-        assert listener.stats()["notifications_kept"] == 0
+        assert listener.metrics().notifications_kept == 0
 
 
 async def test_wait_notification_filters_by_peer_and_reverse_direction() -> None:
@@ -206,18 +208,19 @@ async def test_wait_notification_timeout_raises_timeout_error() -> None:
         with anyio.fail_after(5):
             with pytest.raises(TimeoutError):
                 await eng.wait_notification(b"never", timeout=0.1)
-        assert eng.stats()["notification_waiters"] == 0
+        assert eng.metrics().notification_waiters == 0
 
 
 async def test_pending_notifications_are_bounded_oldest_dropped() -> None:
-    cfg = aionixl.EngineConfig(max_pending_notifications=3)
-    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1), cfg) as (listener, eng, peer):
+    tuning = aionixl.lowlevel.Tuning(max_pending_notifications=3)
+    async with engine_pair(numpy_cache(2, 64, 1), numpy_cache(2, 64, 1),
+                           tuning=tuning) as (listener, eng, peer):
         for i in range(5):
             await eng.send_notification(peer, b"m%d" % i)
         with anyio.fail_after(10):
-            while listener.stats()["notifications_dropped"] < 2:
+            while listener.metrics().notifications_dropped < 2:
                 await anyio.sleep(0.005)
-        assert listener.stats()["notifications_kept"] == 3
+        assert listener.metrics().notifications_kept == 3
         for i in (2, 3, 4):
             assert (await listener.wait_notification(b"m%d" % i, timeout=1)).message == b"m%d" % i
         for i in (0, 1):
@@ -234,9 +237,9 @@ async def test_pending_notifications_are_bounded_in_bytes_too_oldest_dropped() -
         for message in big:
             await eng.send_notification(peer, message)
         with anyio.fail_after(10):
-            while listener.stats()["notifications_dropped"] < 2:
+            while listener.metrics().notifications_dropped < 2:
                 await anyio.sleep(0.005)
-        assert listener.stats()["notifications_kept"] == 2  # 800 bytes: a third would pass 1000
+        assert listener.metrics().notifications_kept == 2  # 800 bytes: a third would pass 1000
         assert listener._mailbox._kept_bytes == 800
         for message in big[2:]:
             assert (await listener.wait_notification(message, timeout=1)).message == message
@@ -245,9 +248,9 @@ async def test_pending_notifications_are_bounded_in_bytes_too_oldest_dropped() -
         await eng.send_notification(peer, b"s")
         await eng.send_notification(peer, b"h" * 5000)  # larger than the cap: kept, alone
         with anyio.fail_after(10):
-            while listener.stats()["notifications_dropped"] < 3:
+            while listener.metrics().notifications_dropped < 3:
                 await anyio.sleep(0.005)
-        assert listener.stats()["notifications_kept"] == 1 and listener._mailbox._kept_bytes == 5000
+        assert listener.metrics().notifications_kept == 1 and listener._mailbox._kept_bytes == 5000
         assert (await listener.wait_notification(b"h" * 5000, timeout=1)).message == b"h" * 5000
         assert listener._mailbox._kept_bytes == 0
 
@@ -448,8 +451,8 @@ async def test_a_tcp_port_past_65535_is_refused_not_wrapped() -> None:
              "attn_backend_name": "CPU_ATTN"}
     async with aionixl.Engine(unique("dst"), numpy_cache(2, 64, 1), listen=None) as dst:
         calls = [lambda: dst.connect("tcp://127.0.0.1:70000", timeout=1),
-                 lambda: dst.connect_vllm("127.0.0.1:65536", timeout=1),
-                 lambda: dst.serve_vllm("tcp://127.0.0.1:99999", **serve)]
+                 lambda: aionixl.vllm.connect(dst, "127.0.0.1:65536", timeout=1),
+                 lambda: aionixl.vllm.serve(dst, "tcp://127.0.0.1:99999", **serve)]
         for call in calls:
             with pytest.raises(ValueError, match="past 65535"):
                 await call()
@@ -705,14 +708,14 @@ async def _silent_router_then_engine(attempts_seen: list[int], src_cache: list[A
 @pytest.mark.parametrize("retries", [0, 3])
 async def test_connect_retries_reach_a_peer_that_restarted_mid_handshake(retries: int) -> None:
     src = numpy_cache(4, 256, 1, seed=9)
-    config = aionixl.EngineConfig(connect_retries=retries, connect_backoff=0.05,
-                                  connect_attempt_timeout=1.0)
+    config = aionixl.EngineConfig(connect_retries=retries)
+    tuning = aionixl.lowlevel.Tuning(connect_backoff=0.05, connect_attempt_timeout=1.0)
     seen: list[int] = []
     started, stop = anyio.Event(), anyio.Event()
     local = numpy_cache(4, 256, 1)
     async with anyio.create_task_group() as tg:
         address = await tg.start(_silent_router_then_engine, seen, src, started, stop)
-        async with aionixl.Engine(unique("dst"), local, listen=None, config=config) as dst:
+        async with aionixl.Engine(unique("dst"), local, listen=None, config=config, tuning=tuning) as dst:
             try:
                 if retries == 0:
                     # The one hello went to the incarnation that died; nothing answers it.
@@ -728,24 +731,28 @@ async def test_connect_retries_reach_a_peer_that_restarted_mid_handshake(retries
 
 
 async def test_connect_retries_stop_at_refusals_that_cannot_change() -> None:
-    config = aionixl.EngineConfig(connect_retries=5, connect_backoff=0.05)
+    config = aionixl.EngineConfig(connect_retries=5)
+    tuning = aionixl.lowlevel.Tuning(connect_backoff=0.05)
     async with aionixl.Engine(unique("src"), numpy_cache(4, 256, 1)) as src, \
-            aionixl.Engine(unique("dst"), numpy_cache(4, 256, 2), listen=None, config=config) as dst:
+            aionixl.Engine(unique("dst"), numpy_cache(4, 256, 2), listen=None, config=config,
+                           tuning=tuning) as dst:
         assert src.address is not None
         with pytest.raises(aionixl.IncompatiblePeerError):  # another region count
             await dst.connect(src.address, timeout=10)
-        assert src.stats()["handshakes_rejected"] == 1  # asked once, not six times
+        assert src.metrics().handshakes_rejected == 1  # asked once, not six times
 
 
 async def test_connect_retries_give_up_on_a_draining_peer_at_the_deadline() -> None:
-    config = aionixl.EngineConfig(connect_retries=100, connect_backoff=0.02)
+    config = aionixl.EngineConfig(connect_retries=100)
+    tuning = aionixl.lowlevel.Tuning(connect_backoff=0.02)
     async with aionixl.Engine(unique("src"), numpy_cache(4, 256, 1)) as src, \
-            aionixl.Engine(unique("dst"), numpy_cache(4, 256, 1), listen=None, config=config) as dst:
+            aionixl.Engine(unique("dst"), numpy_cache(4, 256, 1), listen=None, config=config,
+                           tuning=tuning) as dst:
         assert src.address is not None
         assert await src.drain(timeout=1)
         with pytest.raises(aionixl.HandshakeError, match="draining"):
             await dst.connect(src.address, timeout=0.5)
-        assert src.stats()["handshakes_rejected"] > 1  # retried while the deadline allowed
+        assert src.metrics().handshakes_rejected > 1  # retried while the deadline allowed
         assert dst.peers == {} and dst.live_resources()["remote_agents"] == 0
 
 
@@ -838,7 +845,7 @@ async def test_drain_waits_for_calls_still_gathering_into_a_merged_request() -> 
     for one pass of the loop: rounds of four calls go until a drain starts while every
     call not finished is gathering.)"""
     src_cache, dst_cache = numpy_cache(seed=2), numpy_cache()
-    async with engine_pair(src_cache, dst_cache, TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
         at_drain_end: list[Any] = []
         for _ in range(50):
             await dst.transfer_blocks(peer, [0], [0])  # the next caller comes "together" with it
@@ -951,7 +958,7 @@ async def test_a_handshake_secret_admits_only_engines_that_share_it() -> None:
             async with aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config) as dst:
                 with pytest.raises(aionixl.HandshakeError, match="unauthorized"):
                     await dst.connect(src.address, timeout=10)
-        assert src.stats()["handshakes_rejected"] == 2  # refusals that cannot change: no retries
+        assert src.metrics().handshakes_rejected == 2  # refusals that cannot change: no retries
         assert src.peers == {} and src.live_resources()["remote_agents"] == 0
         local = numpy_cache()
         async with aionixl.Engine(unique("dst"), local, listen=None, config=secret) as dst:
@@ -1009,10 +1016,10 @@ async def test_a_closing_engine_says_goodbye_and_its_peers_drop_it_at_once(
         caplog: pytest.LogCaptureFixture) -> None:
     from aionixl._wire import goodbye as _goodbye
 
-    config = aionixl.EngineConfig(peer_probe_interval=math.inf)  # no probe to find it out
-    async with aionixl.Engine(unique("src"), numpy_cache(seed=1), config=config) as src:
+    tuning = aionixl.lowlevel.Tuning(peer_probe_interval=math.inf)  # no probe to find it out
+    async with aionixl.Engine(unique("src"), numpy_cache(seed=1), tuning=tuning) as src:
         assert src.address is not None
-        dst = aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config)
+        dst = aionixl.Engine(unique("dst"), numpy_cache(), listen=None, tuning=tuning)
         async with dst:
             peer = await dst.connect(src.address, timeout=10)
             inbound = src.peers[dst.name]
@@ -1043,10 +1050,11 @@ async def test_reserved_messages_are_refused() -> None:
 
 
 async def test_close_during_a_connect_backoff_raises_engine_closed() -> None:
-    config = aionixl.EngineConfig(connect_retries=5, connect_backoff=0.5)
+    config = aionixl.EngineConfig(connect_retries=5)
+    tuning = aionixl.lowlevel.Tuning(connect_backoff=0.5)
     async with aionixl.Engine(unique("src"), numpy_cache()) as src:
         assert src.address is not None and await src.drain(timeout=1)
-        dst = aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config)
+        dst = aionixl.Engine(unique("dst"), numpy_cache(), listen=None, config=config, tuning=tuning)
         async with dst:
             errors: list[BaseException] = []
 
@@ -1069,8 +1077,8 @@ async def test_a_finished_transfer_is_not_turned_into_a_cancellation() -> None:
     twice); the caller's next call goes through the loop first and meets the cancellation
     there, before it posts anything."""
     src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
-    config = aionixl.EngineConfig(inline_polls=100_000)  # finish inline, never via the poller
-    async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(inline_polls=100_000)  # finish inline, never via the poller
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_, dst, peer):
         await dst.transfer_blocks(peer, [0], [0])  # wired up: the next one finishes inline
         before = dst_cache[0][3].copy()
         posted = posted_requests(dst, "local")
@@ -1110,8 +1118,8 @@ async def test_a_loop_of_calls_from_new_tasks_that_never_pass_the_loop_is_still_
     if anyio_backend_name == "trio":
         pytest.skip("trio has no eager tasks: every task switch is a pass of its scheduler")
     src_cache, dst_cache = numpy_cache(seed=7), numpy_cache()
-    config = aionixl.EngineConfig(inline_polls=100_000, peer_probe_interval=math.inf)
-    async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(inline_polls=100_000, peer_probe_interval=math.inf)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_, dst, peer):
         await dst.transfer_blocks(peer, [9], [9])
         dst._turns._current_task = object  # a new "task" per lookup
         await _calls_until_a_deadline_of_a_tenth_of_a_second(dst, peer)
@@ -1122,8 +1130,8 @@ async def test_a_loop_of_transfers_that_finish_in_their_post_can_be_cancelled() 
     # used to be shielded (the transfer was done), so a deadline around such a loop went
     # unnoticed until something else woke the task: 0.1 s took about 20 s here.
     src_cache, dst_cache = numpy_cache(seed=6), numpy_cache()
-    config = aionixl.EngineConfig(inline_polls=100_000, peer_probe_interval=math.inf)
-    async with engine_pair(src_cache, dst_cache, config) as (_, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(inline_polls=100_000, peer_probe_interval=math.inf)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_, dst, peer):
         await dst.transfer_blocks(peer, [9], [9])  # wired up: the next ones finish inline
         calls = await _calls_until_a_deadline_of_a_tenth_of_a_second(dst, peer)
         done = min(calls, 8)
@@ -1154,9 +1162,10 @@ async def test_a_caller_sharing_a_failed_handshake_retries_on_its_own_time() -> 
     # One retry, half a second apart: the first caller's two attempts meet the draining
     # listener (0 s, 0.5 s) and fail for good; the second caller, who shared them, starts its
     # own (0.5 s, 1.0 s) and its second attempt meets the new listener (up at ~0.8 s).
-    config = aionixl.EngineConfig(connect_retries=1, connect_backoff=0.5, connect_attempt_timeout=2.0)
+    config = aionixl.EngineConfig(connect_retries=1)
+    tuning = aionixl.lowlevel.Tuning(connect_backoff=0.5, connect_attempt_timeout=2.0)
     src_cache, local = numpy_cache(seed=7), numpy_cache()
-    async with aionixl.Engine(unique("dst"), local, listen=None, config=config) as dst:
+    async with aionixl.Engine(unique("dst"), local, listen=None, config=config, tuning=tuning) as dst:
         outcome: dict[str, Any] = {}
 
         async def short() -> None:
@@ -1196,8 +1205,9 @@ async def test_an_eviction_as_a_lone_transfer_ends_leaves_its_result_and_reads_n
 
     src_cache = numpy_cache(16, 4096, 2, seed=41)
     dst_cache = numpy_cache(16, 4096, 2)
-    config = aionixl.EngineConfig(coalesce=False, inline_polls=0, nixl_telemetry=True)
-    async with engine_pair(src_cache, dst_cache, config) as (_src, dst, peer):
+    config = aionixl.EngineConfig(coalesce=False)
+    tuning = aionixl.lowlevel.Tuning(inline_polls=0, nixl_telemetry=True)
+    async with engine_pair(src_cache, dst_cache, config, tuning=tuning) as (_src, dst, peer):
         agent = dst._local.agent
         assert agent is not None
         real_check, real_completed, real_release = agent.check, agent.completed, agent.release_xfer

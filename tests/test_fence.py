@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl._nixl import Indices
 from aionixl.testing import RemoteEngine
 
@@ -54,9 +55,10 @@ async def test_get_fence_over_tcp_holds_the_call_until_the_aborted_read_ended(
     monkeypatch.setenv("UCX_TLS", "tcp")
     local = numpy_cache(BLOCKS, BLOCK_BYTES, 1)
     ids = list(range(BLOCKS))
-    config = aionixl.EngineConfig(read_mode="get", push_cancel_timeout=20.0)
+    config = aionixl.EngineConfig(read_mode="get")
+    tuning = aionixl.lowlevel.Tuning(push_cancel_timeout=20.0)
     async with RemoteEngine(seed=4321, env=TCP, **GEOMETRY) as child, \
-            aionixl.Engine(unique("dec"), local, listen=None, config=config) as eng:
+            aionixl.Engine(unique("dec"), local, listen=None, config=config, tuning=tuning) as eng:
         peer = await eng.connect(child.address, timeout=30)
         assert peer.read_mode == "get"
         await eng.transfer_blocks(peer, ids, ids, timeout=30)  # the connection is wired up
@@ -87,7 +89,7 @@ async def test_get_fence_over_tcp_holds_the_call_until_the_aborted_read_ended(
         assert len(errors) == 1 and isinstance(errors[0], aionixl.TransferTimeoutError), errors
         assert late == 0, f"{late} bytes landed after the aborted read returned"
         assert held and returned[0] >= resumed, "the call returned before its fence could end"
-        assert peer.connected and eng.stats()["fence_evictions"] == 0
+        assert peer.connected and eng.metrics().fence_evictions == 0
         assert _records(eng) == {"inflight": 0, "parked": 0, "peers": 1, "push_reads": 0,
                                  "push_jobs": 0}
         assert eng.live_resources()["transfer_handles"] == 0
@@ -106,9 +108,10 @@ async def test_a_lone_get_whose_fence_times_out_evicts_the_peer(monkeypatch: pyt
     monkeypatch.setenv("UCX_TLS", "tcp")
     local = numpy_cache(BLOCKS, BLOCK_BYTES, 1)
     ids = list(range(BLOCKS))
-    config = aionixl.EngineConfig(read_mode="get", push_cancel_timeout=0.5)
+    config = aionixl.EngineConfig(read_mode="get")
+    tuning = aionixl.lowlevel.Tuning(push_cancel_timeout=0.5)
     async with RemoteEngine(seed=4322, env=TCP, **GEOMETRY) as child, \
-            aionixl.Engine(unique("dec"), local, listen=None, config=config) as eng:
+            aionixl.Engine(unique("dec"), local, listen=None, config=config, tuning=tuning) as eng:
         peer = await eng.connect(child.address, timeout=30)
         assert peer.read_mode == "get"
         await eng.transfer_blocks(peer, [0, 1], [0, 1], timeout=30)
@@ -133,8 +136,8 @@ async def test_a_lone_get_whose_fence_times_out_evicts_the_peer(monkeypatch: pyt
             assert fenced == [0], fenced  # fenced once, after the read's record was taken out
             assert 0.75 <= elapsed < 4.0, elapsed  # the deadline (0.3 s), then push_cancel_timeout
             assert not peer.connected and eng.peers.get(peer.name) is None
-            stats = eng.stats()
-            assert stats["fence_evictions"] == 1 and stats["peers_evicted"] == 1
+            metrics = eng.metrics()
+            assert metrics.fence_evictions == 1 and metrics.peers_evicted == 1
             assert eng.metrics().evictions.get("transfer_error") == 1, eng.metrics().evictions
             with anyio.fail_after(5):  # a handle NIXL would not release yet is retried
                 while eng._inflight.parked:
@@ -162,9 +165,9 @@ async def test_a_push_read_past_max_pushes_per_peer_is_refused(monkeypatch: pyte
     dst_cache = numpy_cache(blocks, block_bytes, 1)
     # No staging slots: the two reads would take all 256 (as many as the engine has
     # blocks), and the reader would hold the third back itself, never asking the server.
-    config = aionixl.EngineConfig(read_mode="push", push_chunk_bytes=block_bytes,
-                                  max_pushes_per_peer=2, inline_polls=0, push_staging_bytes=0)
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=0)
+    tuning = aionixl.lowlevel.Tuning(push_chunk_bytes=block_bytes, max_pushes_per_peer=2, inline_polls=0)
+    async with engine_pair(src_cache, dst_cache, config, tuning=tuning) as (src, dst, peer):
         assert peer.read_mode == "push"
         await dst.transfer_blocks(peer, [0, 1], [0, 1], timeout=20)  # wired up
         half = blocks // 2
@@ -185,7 +188,7 @@ async def test_a_push_read_past_max_pushes_per_peer_is_refused(monkeypatch: pyte
                 await dst.transfer_blocks(peer, [0, 1], [2, 3], timeout=20)
             assert type(info.value) is aionixl.TransferError, repr(info.value)
             assert "busy: 2 reads of this peer are already under way" in str(info.value)
-            assert src.stats()["pushes_refused"] == 1
+            assert src.metrics().pushes_refused == 1
             assert not results, "a read ended before the third was refused: the cap was not full"
         assert len(results) == 2 and all(r.blocks == half for r in results)
         assert np.array_equal(dst_cache[0][:half], src_cache[0][:half][::-1])
@@ -194,7 +197,7 @@ async def test_a_push_read_past_max_pushes_per_peer_is_refused(monkeypatch: pyte
             while src._push._per_peer or src._push.jobs:
                 await anyio.sleep(0.01)
         assert src._push._per_peer == {} and src._push.jobs == {} and dst._push.reads == {}
-        assert src.stats()["pushes_served"] == 3  # the wire-up read and the two
+        assert src.metrics().pushes_served == 3  # the wire-up read and the two
         assert src.live_resources()["in_flight"] == 0 and dst.live_resources()["in_flight"] == 0
         await dst.transfer_blocks(peer, [0, 1], [2, 3], timeout=20)  # served again
         assert np.array_equal(dst_cache[0][:2], src_cache[0][2:4])

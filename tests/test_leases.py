@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 import aionixl.vllm
 from aionixl._vllm_wire import parse_notification
 
@@ -105,7 +106,7 @@ async def test_heartbeats_keep_a_lease_alive_past_several_durations() -> None:
         before = lease.expires_at
         start = time.monotonic()
         while time.monotonic() - start < 1.0:  # more than three durations
-            await dst.heartbeat(peer, ["req-4", "someone-elses"])
+            await aionixl.vllm.heartbeat(dst, peer, ["req-4", "someone-elses"])
             with anyio.move_on_after(0.1):
                 await lease.wait()
             assert not lease.done, "expired although heartbeats kept coming"
@@ -244,8 +245,9 @@ async def test_concurrent_readers_release_their_leases_in_push_and_through_coale
     """Forty readers at once, each with a lease of its own: merged into shared NIXL requests
     (one process: GET) or served as push reads; every lease released, every byte in place."""
     src_cache, dst_cache = caches()
-    config = aionixl.EngineConfig(read_mode=read_mode, coalesce_window=0.05)  # type: ignore[arg-type]
-    async with engine_pair(src_cache, dst_cache, config) as (src, dst, peer):
+    config = aionixl.EngineConfig(read_mode=read_mode)  # type: ignore[arg-type]
+    tuning = aionixl.lowlevel.Tuning(coalesce_window=0.05)
+    async with engine_pair(src_cache, dst_cache, config, tuning=tuning) as (src, dst, peer):
         assert peer.read_mode == ("push" if read_mode == "push" else "get")
         leases = [src.lease(f"r{i}", [i % BLOCKS]) for i in range(40)]
 
@@ -266,7 +268,7 @@ async def test_concurrent_readers_release_their_leases_in_push_and_through_coale
 
 
 async def test_poll_nixl_leaves_a_live_leases_read_done_to_the_lease() -> None:
-    """``poll_nixl`` (a serving process that progresses NIXL itself) hands callers what is
+    """``aionixl.lowlevel.poll_nixl`` (a serving process that progresses NIXL itself) hands callers what is
     theirs; a live lease's read-done releases the lease, as through the drainer."""
     src_cache, dst_cache = caches()
     async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
@@ -274,8 +276,8 @@ async def test_poll_nixl_leaves_a_live_leases_read_done_to_the_lease() -> None:
         await dst.transfer_blocks(peer, [11], [11], notify=aionixl.read_done("req-poll"))
         notes: list[aionixl.Notification] = []
         for _ in range(100_000):  # no await: the drainer does not run meanwhile
-            dst.poll_nixl()
-            notes += src.poll_nixl()
+            aionixl.lowlevel.poll_nixl(dst)
+            notes += aionixl.lowlevel.poll_nixl(src)
             if lease.done or notes:
                 break
         assert lease.done and lease.readers_done == 1, (lease, notes)
@@ -292,6 +294,6 @@ async def test_a_message_relayed_by_the_vllm_serving_process_cannot_speak_for_a_
     src_cache, dst_cache = caches()
     async with engine_pair(src_cache, dst_cache) as (src, dst, peer):
         inbound = src.peers[dst.name]
-        src._relayed(Notification(dst.name, goodbye(dst.nixl_metadata())))
+        src._relayed(Notification(dst.name, goodbye(aionixl.lowlevel.nixl_metadata(dst))))
         assert inbound.connected and src.peers[dst.name] is inbound
         await dst.transfer_blocks(peer, [1], [2], timeout=10)

@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _protocol as proto
 from aionixl.testing import RemoteEngine, assert_blocks_equal
 
@@ -58,7 +59,8 @@ class Harness:
     def __init__(self, portal: BlockingPortal, stack: ExitStack) -> None:
         self.portal = portal
         self._stack = stack
-        self.config = aionixl.EngineConfig(max_handshake_bytes=LIMIT)
+        self.config = aionixl.EngineConfig()
+        self.tuning = aionixl.lowlevel.Tuning(max_handshake_bytes=LIMIT)
         self.src = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=42)
         self.dst = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
         self.engines: list[aionixl.Engine] = []
@@ -69,9 +71,9 @@ class Harness:
         self.rounds = 0
 
     def open_engine(self, prefix: str, cache: list[np.ndarray], listen: str | None) -> aionixl.Engine:
-        config = self.config
+        config, tuning = self.config, self.tuning
         engine = self.portal.call(lambda: aionixl.Engine(unique(prefix), cache, listen=listen,
-                                                         config=config))
+                                                         config=config, tuning=tuning))
         self._stack.enter_context(self.portal.wrap_async_context_manager(engine))
         self.engines.append(engine)
         return engine

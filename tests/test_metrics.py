@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import aionixl
+import aionixl.lowlevel
 from aionixl._metrics import _RING, LATENCY_BOUNDS, OPS, OUTCOMES, EngineMetrics, TransferMetrics
 from aionixl._ratelimit import RateLimitedLog
 from aionixl._transfers import TransferResult
@@ -75,9 +76,9 @@ async def test_counts_bytes_and_histograms_equal_what_was_moved() -> None:
 
 
 async def test_nixl_telemetry_reports_merged_descriptors() -> None:
-    config = aionixl.EngineConfig(nixl_telemetry=True)
+    tuning = aionixl.lowlevel.Tuning(nixl_telemetry=True)
     async with engine_pair(numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=1),
-                           numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), config) as (_, dst, peer):
+                           numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), tuning=tuning) as (_, dst, peer):
         await dst.transfer_blocks(peer, [0], [0])
         r = await dst.transfer_blocks(peer, list(range(8, 16)), list(range(8, 16)))
         assert (r.blocks, r.nbytes) == (8, 8 * PER_BLOCK)
@@ -310,8 +311,9 @@ async def test_a_killed_peer_counts_peer_disconnected_and_one_eviction(
 
 
 async def test_notifications_delivered_and_dropped_and_handshakes_rejected() -> None:
-    config = aionixl.EngineConfig(max_pending_notifications=2)
-    async with engine_pair(numpy_cache(4, 4096, 1), numpy_cache(4, 4096, 1), config) as (src, dst, peer):
+    tuning = aionixl.lowlevel.Tuning(max_pending_notifications=2)
+    async with engine_pair(numpy_cache(4, 4096, 1), numpy_cache(4, 4096, 1),
+                           tuning=tuning) as (src, dst, peer):
         for message in (b"a", b"b", b"c"):
             await dst.send_notification(peer, message)
         with anyio.fail_after(10):

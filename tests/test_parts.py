@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import BlockPart, _parts
 from aionixl.testing import RemoteEngine, assert_no_resources
 
@@ -289,7 +290,7 @@ async def test_sixty_four_concurrent_part_reads_and_whole_block_reads_all_land()
             assert_equal(eq_dst[0][b], eq_src[0][31 - b], f"whole block {b}")
         assert tp_engine.metrics().transfers["read"]["ok"] == 64
         assert tp_engine.metrics().transferred_bytes["read"] == 64 * tp_dst[0][0].nbytes * 2
-        assert eq_engine.stats()["merged_calls"] > 0
+        assert eq_engine.metrics().merged_calls > 0
 
 
 async def test_push_reads_of_parts_move_the_same_bytes_as_gets() -> None:
@@ -305,7 +306,7 @@ async def test_push_reads_of_parts_move_the_same_bytes_as_gets() -> None:
                                                  notify=b"parts-%d" % n)
             for n in range(len(layout.calls)):  # delivered once the server counted its push
                 await src_engine.wait_notification(b"parts-%d" % n, timeout=10)
-            assert src_engine.stats()["pushes_served"] == len(layout.calls)
+            assert src_engine.metrics().pushes_served == len(layout.calls)
             _check_layout(layout, src, dst)
 
 
@@ -320,7 +321,7 @@ async def test_the_push_server_checks_parts_itself() -> None:
         with pytest.raises(aionixl.TransferError, match="whole blocks cannot be pushed"):
             await dst_engine._push.read(peer, np.array([0], np.int32), np.array([0], np.int32), 1,
                                         b"", 5.0)
-        assert src_engine.stats()["pushes_refused"] == 2 and not dst[0].any() and not dst[1].any()
+        assert src_engine.metrics().pushes_refused == 2 and not dst[0].any() and not dst[1].any()
 
 
 # ---- refusals --------------------------------------------------------------------------------
@@ -350,7 +351,7 @@ async def test_a_bad_part_is_refused_before_anything_is_posted() -> None:
             assert dst_engine.live_resources() == before  # no descriptor list, nothing in flight
             transfers = dst_engine.metrics().transfers
             assert all(n == 0 for outcomes in transfers.values() for n in outcomes.values()), transfers
-            assert src_engine.stats()["pushes_served"] == 0
+            assert src_engine.metrics().pushes_served == 0
             assert not dst[0].any() and not dst[1].any()
 
 
@@ -459,8 +460,10 @@ async def test_a_timed_out_part_push_read_from_a_stopped_server_fails_like_a_who
     async with RemoteEngine(seed=5, num_blocks=4, block_shape=(HEADS, TOKENS, DIM),
                             dtypes=("float16",)) as remote:
         ours = kv((4, HEADS // 2, TOKENS, DIM), seed=None, regions=1)
-        config = aionixl.EngineConfig(read_mode="push", push_cancel_timeout=0.3)
-        async with aionixl.Engine(unique("decode"), ours, listen=None, config=config) as engine:
+        config = aionixl.EngineConfig(read_mode="push")
+        tuning = aionixl.lowlevel.Tuning(push_cancel_timeout=0.3)
+        async with aionixl.Engine(unique("decode"), ours, listen=None, config=config,
+                                  tuning=tuning) as engine:
             peer = await engine.connect(remote.address, timeout=30)
             async with remote.paused():
                 with pytest.raises(aionixl.TransferTimeoutError):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _hostfacts, _nixl, _push, _wire
 from aionixl.testing import RemoteEngine
 
@@ -24,7 +25,9 @@ from .leaving import WAYS, check_server, run_reader, start_server, ucx_noise
 
 pytestmark = pytest.mark.anyio
 
-PUSH = aionixl.EngineConfig(read_mode="push", push_chunk_bytes=64 << 10)
+PUSH = aionixl.EngineConfig(read_mode="push")
+#: Pushes written in chunks of 64 KiB (with ``PUSH``).
+SMALL_CHUNKS = aionixl.lowlevel.Tuning(push_chunk_bytes=64 << 10)
 
 
 # ---- the rule ------------------------------------------------------------------------------
@@ -71,9 +74,9 @@ async def test_auto_mode_per_peer(monkeypatch: pytest.MonkeyPatch, tls: str) -> 
         for mine, theirs in zip(dst_cache, src_cache, strict=True):
             assert np.array_equal(mine[[0, 5]], theirs[[7, 2]])
         with anyio.fail_after(5):  # the server counts it once its last write is seen DONE
-            while src.stats()["pushes_served"] < (1 if tls else 0):
+            while src.metrics().pushes_served < (1 if tls else 0):
                 await anyio.sleep(0.01)
-        assert src.stats()["pushes_served"] == (1 if tls else 0)
+        assert src.metrics().pushes_served == (1 if tls else 0)
 
 
 # ---- push reads in one process -------------------------------------------------------------
@@ -81,7 +84,7 @@ async def test_auto_mode_per_peer(monkeypatch: pytest.MonkeyPatch, tls: str) -> 
 async def test_push_read_moves_exact_bytes_and_notifies_after_the_data() -> None:
     src_cache = numpy_cache(64, 16384, 2, seed=11)
     dst_cache = numpy_cache(48, 16384, 2)
-    async with engine_pair(src_cache, dst_cache, config=PUSH) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, config=PUSH, tuning=SMALL_CHUNKS) as (src, dst, peer):
         assert peer.read_mode == "push"
         local = list(range(40))
         remote = [63 - 3 * i % 64 for i in range(40)]
@@ -106,7 +109,7 @@ async def test_push_read_moves_exact_bytes_and_notifies_after_the_data() -> None
                 await dst.transfer_blocks(peer, *bad)
         with pytest.raises(ValueError):
             await dst.transfer_blocks(peer, [0], [0], notify=b"\x00aionixl-x")
-        assert src.stats()["pushes_refused"] == 0
+        assert src.metrics().pushes_refused == 0
         assert src.live_resources()["in_flight"] == 0 and not src._push.jobs and not dst._push.reads
     assert zero_resources(src) and zero_resources(dst)
 
@@ -114,7 +117,7 @@ async def test_push_read_moves_exact_bytes_and_notifies_after_the_data() -> None
 async def test_the_server_validates_every_request() -> None:
     """Defence in depth: requests that skip the reader's checks get a prompt refusal."""
     async with engine_pair(numpy_cache(8, 4096, 1, seed=1), numpy_cache(4, 4096, 1),
-                           config=PUSH) as (src, dst, peer):
+                           config=PUSH, tuning=SMALL_CHUNKS) as (src, dst, peer):
         assert dst._local.agent is not None
 
         def ids(*v: int) -> bytes:
@@ -141,7 +144,7 @@ async def test_the_server_validates_every_request() -> None:
         for reason, rec in records.items():
             assert rec.state == _push._FAILED and reason in str(rec.error), (reason, rec.error)
         dst._push.reads.clear()
-        assert src.stats()["pushes_refused"] == len(cases)
+        assert src.metrics().pushes_refused == len(cases)
         # It still serves good requests from that peer.
         await dst.transfer_blocks(peer, [0], [7], timeout=10)
 
@@ -153,11 +156,11 @@ async def test_a_push_request_from_another_process_of_the_readers_name_is_ignore
     the reader's incarnation: the server ignores one that is not the admitted process's, and
     serves the same request with the right one."""
     src_cache, dst_cache = numpy_cache(8, 4096, 1, seed=1), numpy_cache(4, 4096, 1)
-    async with engine_pair(src_cache, dst_cache, config=PUSH) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, config=PUSH, tuning=SMALL_CHUNKS) as (src, dst, peer):
         agent = dst._local.agent
         assert agent is not None
         before = dst_cache[0][1].copy()
-        own = _wire.incarnation(dst.nixl_metadata())
+        own = _wire.incarnation(aionixl.lowlevel.nixl_metadata(dst))
         assert own != b"\x01" * 8
 
         def request(rid: int, dst_block: int, src_block: int, reader: bytes) -> bytes:
@@ -171,7 +174,7 @@ async def test_a_push_request_from_another_process_of_the_readers_name_is_ignore
             while not np.array_equal(dst_cache[0][3], src_cache[0][6]):
                 await anyio.sleep(0.01)
         assert np.array_equal(dst_cache[0][1], before)
-        assert src.stats()["pushes_served"] == 1 and src.stats()["pushes_refused"] == 0
+        assert src.metrics().pushes_served == 1 and src.metrics().pushes_refused == 0
 
 
 def test_lost_reads_are_never_forgotten_only_folded_into_a_watermark() -> None:
@@ -197,10 +200,10 @@ async def test_a_read_larger_than_the_staging_slots_lands_in_rounds() -> None:
     was asked to, and the notify comes once, at the end."""
     src_cache = numpy_cache(64, 16384, 2, seed=12)
     dst_cache = numpy_cache(48, 16384, 2)
-    config = aionixl.EngineConfig(read_mode="push", push_chunk_bytes=64 << 10,
-                                  push_staging_bytes=4 * 2 * 16384)
-    async with engine_pair(src_cache, dst_cache, config=config) as (src, dst, peer):
-        assert dst.stats()["staging_slots"] == 4 and _wire.STAGED_FEATURE in peer.features
+    config = aionixl.EngineConfig(read_mode="push", push_staging_bytes=4 * 2 * 16384)
+    tuning = aionixl.lowlevel.Tuning(push_chunk_bytes=64 << 10)
+    async with engine_pair(src_cache, dst_cache, config=config, tuning=tuning) as (src, dst, peer):
+        assert dst.metrics().staging_slots == 4 and _wire.STAGED_FEATURE in peer.features
         remote = [63 - 3 * i % 64 for i in range(40)]
         result = await dst.transfer_blocks(peer, list(range(40)), remote, notify=b"req-r", timeout=20)
         assert result.blocks == 40 and result.nbytes == 40 * 2 * 16384
@@ -212,13 +215,13 @@ async def test_a_read_larger_than_the_staging_slots_lands_in_rounds() -> None:
             assert np.array_equal(mine[8:40], theirs[remote[8:]])
             assert np.array_equal(mine[40:48], theirs[:8]) and np.array_equal(mine[:8], theirs[8:16])
         with anyio.fail_after(5):
-            while src.stats()["pushes_served"] < 20 + 16:  # 40 blocks in 20 rounds
+            while src.metrics().pushes_served < 20 + 16:  # 40 blocks in 20 rounds
                 await anyio.sleep(0.01)
-        assert src.stats()["pushes_served"] == 20 + 16
+        assert src.metrics().pushes_served == 20 + 16
         with pytest.raises(TimeoutError):  # the notify came once
             await src.wait_notification(b"req-r", timeout=0.2)
-        stats = dst.stats()
-        assert stats["staging_stranded"] == 0 and stats["staging_exhausted"] == 0
+        metrics = dst.metrics()
+        assert metrics.staging_stranded == 0 and metrics.staging_exhausted == 0
         assert dst._local.staging is not None and dst._local.staging.free == 4
     assert zero_resources(src) and zero_resources(dst)
 
@@ -237,11 +240,11 @@ async def test_with_every_slot_stranded_a_push_read_is_refused_until_one_comes_b
         staging.settle(slots, False, "gone", 7, b"proc")  # as a read that ended unconfirmed
         with pytest.raises(aionixl.TransferError, match="no staging slot is usable"):
             await dst.transfer_blocks(peer, [0, 1], [5, 6], timeout=10)
-        assert dst.stats()["staging_exhausted"] == 1 and dst.stats()["staging_stranded"] == 2
-        assert not dst_cache[0][:2].any() and src.stats()["pushes_served"] == 0  # nothing asked
+        assert dst.metrics().staging_exhausted == 1 and dst.metrics().staging_stranded == 2
+        assert not dst_cache[0][:2].any() and src.metrics().pushes_served == 0  # nothing asked
         staging.confirmed_late("gone", 7)
         await dst.transfer_blocks(peer, [2, 3], [1, 2], timeout=10)
-        assert dst.stats()["staging_reclaimed"] == 2 and dst.stats()["staging_stranded"] == 0
+        assert dst.metrics().staging_reclaimed == 2 and dst.metrics().staging_stranded == 0
         assert np.array_equal(dst_cache[0][2:4], src_cache[0][[1, 2]])
 
 
@@ -249,7 +252,7 @@ async def test_a_round_never_sent_strands_no_slot(monkeypatch: pytest.MonkeyPatc
     """The request could not be sent: the server was never asked, so the round's slots are
     free again at once."""
     async with engine_pair(numpy_cache(8, 4096, 1, seed=2), numpy_cache(8, 4096, 1),
-                           config=PUSH) as (src, dst, peer):
+                           config=PUSH, tuning=SMALL_CHUNKS) as (src, dst, peer):
         staging, agent = dst._local.staging, dst._local.agent
         assert staging is not None and agent is not None
 
@@ -261,8 +264,8 @@ async def test_a_round_never_sent_strands_no_slot(monkeypatch: pytest.MonkeyPatc
             for _ in range(3):
                 with pytest.raises(aionixl.TransferError, match="injected"):
                     await dst.transfer_blocks(peer, [0, 1], [0, 1], timeout=10)
-        assert dst.stats()["staging_stranded"] == 0 and staging.free == staging.slots
-        assert src.stats()["pushes_served"] == 0
+        assert dst.metrics().staging_stranded == 0 and staging.free == staging.slots
+        assert src.metrics().pushes_served == 0
         await dst.transfer_blocks(peer, [0], [3], timeout=10)
 
 
@@ -337,10 +340,11 @@ async def test_a_read_waiting_for_slots_when_its_server_restarts_fails_instead_o
 async def test_a_reader_without_staging_reads_directly_and_its_staged_requests_are_refused() -> None:
     src_cache = numpy_cache(8, 4096, 1, seed=6)
     dst_cache = numpy_cache(8, 4096, 1)
-    async with aionixl.Engine(unique("src"), src_cache, listen="tcp://127.0.0.1:0", config=PUSH) as src, \
+    async with aionixl.Engine(unique("src"), src_cache, listen="tcp://127.0.0.1:0", config=PUSH,
+                              tuning=SMALL_CHUNKS) as src, \
             aionixl.Engine(unique("dst"), dst_cache, listen=None,
                            config=aionixl.EngineConfig(read_mode="push", push_staging_bytes=0)) as dst:
-        assert dst.stats()["staging_slots"] == 0 and src.stats()["staging_slots"] > 0
+        assert dst.metrics().staging_slots == 0 and src.metrics().staging_slots > 0
         peer = await dst.connect(src.address, timeout=10)
         await dst.transfer_blocks(peer, [0, 1], [3, 4], timeout=10)
         assert np.array_equal(dst_cache[0][:2], src_cache[0][[3, 4]])
@@ -430,7 +434,7 @@ async def test_no_late_bytes_after_a_cancelled_or_timed_out_get_over_shared_memo
             await anyio.sleep(0.3)  # the engine keeps progressing meanwhile
             assert _late(local, 0x5A) == 0, (leave, outcome)
             assert eng.live_resources()["transfer_handles"] == 0
-        assert peer.connected and eng.stats()["fence_evictions"] == 0
+        assert peer.connected and eng.metrics().fence_evictions == 0
         await eng.transfer_blocks(peer, ids, ids, timeout=30)
         assert np.array_equal(local[0], expected)
         assert child.running
@@ -478,8 +482,9 @@ async def test_on_asyncio_a_cancel_that_cuts_a_push_reads_fence_short_evicts_the
     blocks, so the peer is evicted, as when the wait times out."""
     import asyncio
 
-    config = aionixl.EngineConfig(read_mode="push", push_cancel_timeout=5.0)
-    async with engine_pair(numpy_cache(8, 1024, 2, seed=3), numpy_cache(8, 1024, 2), config) \
+    config = aionixl.EngineConfig(read_mode="push")
+    tuning = aionixl.lowlevel.Tuning(push_cancel_timeout=5.0)
+    async with engine_pair(numpy_cache(8, 1024, 2, seed=3), numpy_cache(8, 1024, 2), config, tuning=tuning) \
             as (src, dst, peer):
         assert peer.read_mode == "push"
         await dst.transfer_blocks(peer, [0], [0])
@@ -495,7 +500,7 @@ async def test_on_asyncio_a_cancel_that_cuts_a_push_reads_fence_short_evicts_the
             reader.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await reader
-        assert not peer.connected and dst.stats()["fence_evictions"] == 1
+        assert not peer.connected and dst.metrics().fence_evictions == 1
         assert dst.live_resources()["in_flight"] == 0
 
 
@@ -507,8 +512,9 @@ async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_pe
     not evicted (before, it was, failing its other reads); the caller is still cancelled."""
     import asyncio
 
-    config = aionixl.EngineConfig(read_mode="get", inline_polls=0)
-    async with engine_pair(numpy_cache(8, 1024, 2, seed=3), numpy_cache(8, 1024, 2), config) \
+    config = aionixl.EngineConfig(read_mode="get")
+    tuning = aionixl.lowlevel.Tuning(inline_polls=0)
+    async with engine_pair(numpy_cache(8, 1024, 2, seed=3), numpy_cache(8, 1024, 2), config, tuning=tuning) \
             as (_src, dst, peer):
         assert peer.read_mode == "get"
         await dst.transfer_blocks(peer, [0], [0])
@@ -531,7 +537,7 @@ async def test_on_asyncio_a_cancel_landing_after_the_fence_finished_keeps_the_pe
             with pytest.raises(asyncio.CancelledError):
                 await reader[0]
         assert posts == [2, 1], posts  # the read (2 regions), then the fence
-        assert peer.connected and dst.stats()["fence_evictions"] == 0
+        assert peer.connected and dst.metrics().fence_evictions == 0
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
         await dst.transfer_blocks(peer, [2, 3], [2, 3], timeout=10)  # the peer still serves
@@ -542,8 +548,9 @@ async def test_a_fence_that_fails_alone_evicts_the_peer() -> None:
     raises; the poller fails that transfer but keeps the peer). Nothing confirmed the
     aborted read, so the peer is evicted as for a fence that timed out (before, it was
     kept, and the aborted read could still write after the call returned)."""
-    config = aionixl.EngineConfig(read_mode="get", inline_polls=0)
-    async with engine_pair(numpy_cache(8, 1024, 2, seed=4), numpy_cache(8, 1024, 2), config) \
+    config = aionixl.EngineConfig(read_mode="get")
+    tuning = aionixl.lowlevel.Tuning(inline_polls=0)
+    async with engine_pair(numpy_cache(8, 1024, 2, seed=4), numpy_cache(8, 1024, 2), config, tuning=tuning) \
             as (_src, dst, peer):
         await dst.transfer_blocks(peer, [0], [0])
 
@@ -554,7 +561,7 @@ async def test_a_fence_that_fails_alone_evicts_the_peer() -> None:
         with anyio.fail_after(5), pytest.raises(aionixl.TransferTimeoutError):
             await dst.transfer_blocks(peer, [1], [1], timeout=0.2)
         assert posts == [2, 1], posts  # the read (2 regions), then the fence
-        assert not peer.connected and dst.stats()["fence_evictions"] == 1
+        assert not peer.connected and dst.metrics().fence_evictions == 1
         live = dst.live_resources()
         assert live["in_flight"] == 0 and live["transfer_handles"] == 0
 
@@ -568,9 +575,9 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(monkeypatch
     monkeypatch.setenv("UCX_TLS", "tcp")
     local = numpy_cache(16, 4 << 20, 1)
     ids = list(range(16))
-    config = aionixl.EngineConfig(push_cancel_timeout=0.5)
+    tuning = aionixl.lowlevel.Tuning(push_cancel_timeout=0.5)
     async with RemoteEngine(seed=1234, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
-            aionixl.Engine(unique("dec"), local, listen=None, config=config) as eng:
+            aionixl.Engine(unique("dec"), local, listen=None, tuning=tuning) as eng:
         staging = eng._local.staging
         # 16 slots (as many as the engine has blocks): two rounds of 8, half the slots each.
         assert staging is not None and staging.slots == len(ids)
@@ -596,8 +603,8 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(monkeypatch
                 await _until_bytes_arrive(slots)
                 await child.pause()
             assert len(outcome) == 1 and isinstance(outcome[0], aionixl.TransferTimeoutError)
-            assert not peer.connected and eng.stats()["fence_evictions"] == 1
-            assert eng.stats()["staging_stranded"] == per_round  # the round under way
+            assert not peer.connected and eng.metrics().fence_evictions == 1
+            assert eng.metrics().staging_stranded == per_round  # the round under way
             assert _late(local, 0) == 0  # nothing of it reached the caller's blocks
             local[0][:] = 0x5A
         finally:
@@ -610,9 +617,9 @@ async def test_no_late_bytes_after_a_push_read_from_a_stopped_server(monkeypatch
         assert peer.connected and eng.peers[peer.name] is peer
         assert np.array_equal(local[0], child.expected()[0].numpy())
         with anyio.fail_after(10):
-            while eng.stats()["staging_stranded"]:
+            while eng.metrics().staging_stranded:
                 await anyio.sleep(0.05)
-        assert eng.stats()["staging_reclaimed"] == per_round and eng.stats()["staging_exhausted"] == 0
+        assert eng.metrics().staging_reclaimed == per_round and eng.metrics().staging_exhausted == 0
         assert child.running
     assert zero_resources(eng)
 
@@ -623,15 +630,15 @@ async def test_a_call_that_first_reconnects_a_fenced_peer_keeps_its_own_deadline
     timeout counts from the call, not from the end of the reconnect: a transfer that then
     stalls raises within the timeout plus push_cancel_timeout, as any timed-out read does."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    config = aionixl.EngineConfig(push_cancel_timeout=0.5)
+    tuning = aionixl.lowlevel.Tuning(push_cancel_timeout=0.5)
     async with RemoteEngine(seed=77, env={"UCX_TLS": "tcp"}, **GEOMETRY) as child, \
-            aionixl.Engine(unique("dec"), numpy_cache(16, 4 << 20, 1), listen=None, config=config) as eng:
+            aionixl.Engine(unique("dec"), numpy_cache(16, 4 << 20, 1), listen=None, tuning=tuning) as eng:
         peer = await eng.connect(child.address, timeout=30)
         await eng.transfer_blocks(peer, [0], [0], timeout=30)
         async with child.paused():
             with pytest.raises(aionixl.TransferTimeoutError):
                 await eng.transfer_blocks(peer, [1], [1], timeout=0.3)
-        assert not peer.connected and eng.stats()["fence_evictions"] == 1
+        assert not peer.connected and eng.metrics().fence_evictions == 1
         reconnect = eng._transfers._reconnect
 
         async def slow_reconnect(address: str, limit: float) -> aionixl.Peer:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import aionixl
+import aionixl.lowlevel
 from aionixl.testing import (
     Pair,
     RemoteEngine,
@@ -230,10 +231,11 @@ async def test_paused_remote_times_out_a_read_and_serves_it_after_resume(
 
 @pytest.mark.anyio
 async def test_wait_notification_is_answered_by_the_child_with_the_config_it_was_given() -> None:
-    config = aionixl.EngineConfig(handshake_secret=b"s" * 16, peer_probe_interval=math.inf)
-    async with RemoteEngine(seed=5, config=config, **GEOMETRY) as remote, \
+    config = aionixl.EngineConfig(handshake_secret=b"s" * 16)
+    tuning = aionixl.lowlevel.Tuning(peer_probe_interval=math.inf)
+    async with RemoteEngine(seed=5, config=config, tuning=tuning, **GEOMETRY) as remote, \
             aionixl.Engine(unique_name("reader"), make_caches(6, **GEOMETRY), listen=None,
-                           config=config) as local, \
+                           config=config, tuning=tuning) as local, \
             aionixl.Engine(unique_name("unsigned"), make_caches(6, **GEOMETRY), listen=None) as unsigned:
         with pytest.raises(aionixl.HandshakeError):  # the child's engine has the secret
             await unsigned.connect(remote.address, timeout=5)

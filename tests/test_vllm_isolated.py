@@ -1,4 +1,4 @@
-"""``serve_vllm(isolate=True)``: vLLM decoders read from a child process, so that UCX
+"""``aionixl.vllm.serve(isolate=True)``: vLLM decoders read from a child process, so that UCX
 aborting the process that serves a dead reader's READ (over UCX TCP) spares the engine.
 
 The readers here are aionixl's own vLLM client (the same handshake a vLLM decode worker
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 import aionixl.vllm
 from aionixl import _shared
 from aionixl._hostfacts import host_facts
@@ -50,7 +51,7 @@ async def read_through(address: str, src: list[np.ndarray], lease: aionixl.Lease
     bytes compared, and its read-done releases ``lease``."""
     dst = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     async with aionixl.Engine("reader", dst, listen=None) as decode:
-        peer = await decode.connect_vllm(address, timeout=10)
+        peer = await aionixl.vllm.connect(decode, address, timeout=10)
         local = list(range(len(remote)))
         done = aionixl.vllm.read_notification(lease.request_id)
         await decode.transfer_blocks(peer, local, remote, notify=done, timeout=10)
@@ -76,7 +77,7 @@ async def test_an_isolated_server_serves_reads_from_a_child_process_and_relays_i
     src = shared_cache(seed=5)
     async with aionixl.Engine("p", src, listen=None) as prefill:
         before = {t.ident for t in threading.enumerate()}
-        address = await prefill.serve_vllm(**SERVE, isolate=True)
+        address = await aionixl.vllm.serve(prefill, **SERVE, isolate=True)
         sidecar = prefill._vllm_server.sidecar
         assert sidecar is not None and sidecar.pid is not None
         pid = sidecar.pid
@@ -85,12 +86,12 @@ async def test_an_isolated_server_serves_reads_from_a_child_process_and_relays_i
         assert all(name.startswith("Trio thread") for name in new), new  # (the test runner's
         # trio guest mode): the child is watched from the event loop, where asyncio would
         # have watched it with a thread of its own on 3.11
-        assert reply.metadata.engine_id == prefill.vllm_engine_id == "prefill-0"
-        assert reply.metadata.agent_metadata != prefill.nixl_metadata()  # the child's agent
+        assert reply.metadata.engine_id == aionixl.vllm.engine_id(prefill) == "prefill-0"
+        assert reply.metadata.agent_metadata != aionixl.lowlevel.nixl_metadata(prefill)  # the child's agent
         assert reply.metadata.kv_caches_base_addr != [r.base for r in prefill.regions]
         await read_through(address, src, prefill.lease("req-1", [3, 9, 4]), [3, 9, 4])
         assert prefill.metrics().leases_released == 1
-        assert prefill.stats()["vllm_serving_restarts"] == 0
+        assert prefill.metrics().vllm_serving_restarts == 0
     assert zero_resources(prefill)
     assert gone(pid)  # stopped and reaped with the engine
 
@@ -98,7 +99,7 @@ async def test_an_isolated_server_serves_reads_from_a_child_process_and_relays_i
 async def test_an_aborted_serving_process_is_replaced_under_a_new_engine_id_and_the_engine_goes_on() -> None:
     src = shared_cache(seed=6)
     async with aionixl.Engine("p", src, listen=None) as prefill:
-        address = await prefill.serve_vllm(**SERVE, isolate=True)
+        address = await aionixl.vllm.serve(prefill, **SERVE, isolate=True)
         await read_through(address, src, prefill.lease("before", [1]), [1])
         sidecar = prefill._vllm_server.sidecar
         assert sidecar is not None and sidecar.pid is not None
@@ -106,9 +107,9 @@ async def test_an_aborted_serving_process_is_replaced_under_a_new_engine_id_and_
         orphan = prefill.lease("orphan", [2], duration=0.5)  # its reader goes with the child
         os.kill(first, signal.SIGABRT)
         with anyio.fail_after(30):
-            while prefill.vllm_engine_id != "prefill-0~1":
+            while aionixl.vllm.engine_id(prefill) != "prefill-0~1":
                 await anyio.sleep(0.01)
-        assert prefill.stats()["vllm_serving_restarts"] == 1 and sidecar.pid not in (None, first)
+        assert prefill.metrics().vllm_serving_restarts == 1 and sidecar.pid not in (None, first)
         assert gone(first)
         with pytest.raises(aionixl.LeaseExpiredError):
             await orphan.wait()
@@ -131,7 +132,7 @@ async def test_closing_while_the_serving_process_starts_stops_it_and_the_call_ra
 
             async def serve() -> None:
                 try:
-                    await prefill.serve_vllm(**SERVE, isolate=True)
+                    await aionixl.vllm.serve(prefill, **SERVE, isolate=True)
                 except aionixl.EngineClosedError as exc:
                     errors.append(exc)
 
@@ -143,24 +144,24 @@ async def test_closing_while_the_serving_process_starts_stops_it_and_the_call_ra
         closed_in = anyio.current_time() - closing
     assert len(errors) == 1 and gone(pid)
     assert closed_in < prefill.config.close_timeout  # half of it for the child, at most
-    assert zero_resources(prefill) and prefill.vllm_engine_id is None
+    assert zero_resources(prefill) and aionixl.vllm.engine_id(prefill) is None
 
 
 async def test_isolation_needs_shared_dram_and_a_refused_call_leaves_the_engine_free_to_serve(
         caplog: pytest.LogCaptureFixture) -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
         with pytest.raises(ValueError, match=r"shared_dram only; kv_caches\[0\]"):
-            await prefill.serve_vllm(**SERVE, isolate=True)
+            await aionixl.vllm.serve(prefill, **SERVE, isolate=True)
         with pytest.raises(ValueError, match="isolate must be a bool"):
-            await prefill.serve_vllm(**SERVE, isolate=1)  # type: ignore[arg-type]
-        assert prefill.vllm_engine_id is None
+            await aionixl.vllm.serve(prefill, **SERVE, isolate=1)  # type: ignore[arg-type]
+        assert aionixl.vllm.engine_id(prefill) is None
         with caplog.at_level(logging.WARNING, logger="aionixl"):
-            address = await prefill.serve_vllm(**SERVE)  # in process
+            address = await aionixl.vllm.serve(prefill, **SERVE)  # in process
         # On a host without RDMA, decodes elsewhere read over UCX TCP: the log says what to do.
         warned = any("isolate=True" in r.getMessage() for r in caplog.records)
         assert warned == (host_facts()["rdma"] != "1")
         assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
-        assert prefill.vllm_engine_id == "prefill-0"
+        assert aionixl.vllm.engine_id(prefill) == "prefill-0"
 
 
 def test_shared_dram_is_zeroed_located_and_forgotten_when_dropped() -> None:

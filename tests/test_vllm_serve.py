@@ -1,6 +1,6 @@
-"""``Engine.serve_vllm``: vLLM's side channel answered from the event loop, without vLLM.
+"""``aionixl.vllm.serve``: vLLM's side channel answered from the event loop, without vLLM.
 
-The client here is aionixl's own vLLM client (``connect_vllm``: the same request frame, the
+The client here is aionixl's own vLLM client (``aionixl.vllm.connect``: the same request frame, the
 same reply decoding a vLLM decode worker uses), so a real aionixl reader reads real blocks
 through it; the real vLLM decode worker is in ``tests_vllm/test_vllm_serve.py``. The
 listener is fuzzed with raw zmq clients: nothing they send stops it.
@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 import aionixl
+import aionixl.lowlevel
 import aionixl.vllm
 from aionixl import _vllm_wire as wire
 from aionixl._nixl import metadata_agent_name
@@ -37,10 +38,11 @@ async def test_an_aionixl_reader_reads_through_the_vllm_side_channel_and_release
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     async with aionixl.Engine("p", src_cache, listen=None) as prefill, \
             aionixl.Engine("d", dst_cache, listen=None) as decode:
-        address = await prefill.serve_vllm(**SERVE)
+        address = await aionixl.vllm.serve(prefill, **SERVE)
         assert address.startswith("tcp://127.0.0.1:")
         lease = prefill.lease("req-1", [4, 5, 6], duration=30)
-        peer = await decode.connect_vllm(address, expect_compat_hash=SERVE["compat_hash"], timeout=10)
+        peer = await aionixl.vllm.connect(decode, address, expect_compat_hash=SERVE["compat_hash"],
+                                          timeout=10)
         assert [r.block_bytes for r in peer.regions] == [BLOCK_BYTES] * REGIONS
         await aionixl.vllm.heartbeat(decode, peer, ["req-1"])
         await decode.transfer_blocks(peer, [0, 1, 2], [4, 5, 6],
@@ -49,7 +51,7 @@ async def test_an_aionixl_reader_reads_through_the_vllm_side_channel_and_release
             await lease.wait()
         assert all(np.array_equal(d[[0, 1, 2]], s[[4, 5, 6]])
                    for d, s in zip(dst_cache, src_cache, strict=True))
-        assert prefill.stats()["vllm_requests_answered"] == 1
+        assert prefill.metrics().vllm_requests_answered == 1
         assert prefill.metrics().leases_released == 1
     assert zero_resources(prefill) and zero_resources(decode)
 
@@ -59,7 +61,7 @@ async def test_the_reply_describes_the_engine_as_a_vllm_prefill() -> None:
     names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     async with aionixl.Engine("p", cache, listen=None) as prefill:
         before = time.perf_counter()
-        address = await prefill.serve_vllm(**SERVE, tp_rank=3, layer_names=names)
+        address = await aionixl.vllm.serve(prefill, **SERVE, tp_rank=3, layer_names=names)
         reply = await aionixl.vllm.fetch_metadata(address, tp_rank=3, timeout=10)
         md = reply.metadata
         assert reply.compatibility_hash == SERVE["compat_hash"]
@@ -70,14 +72,14 @@ async def test_the_reply_describes_the_engine_as_a_vllm_prefill() -> None:
         assert md.num_blocks == BLOCKS and md.region_mem_types == ["DRAM"] * REGIONS
         # A serving agent of its own over the same memory: never the engine's own agent
         # (an unauthenticated client could otherwise message it in a peer's name).
-        assert md.agent_metadata != prefill.nixl_metadata()
+        assert md.agent_metadata != aionixl.lowlevel.nixl_metadata(prefill)
         assert metadata_agent_name(md.agent_metadata) == "p-vllm"
         assert reply.remote_clock is not None and before <= reply.remote_clock <= time.perf_counter()
 
 
 async def test_garbage_never_stops_the_listener_and_requests_it_cannot_serve_are_refused() -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
-        address = await prefill.serve_vllm(**SERVE)
+        address = await aionixl.vllm.serve(prefill, **SERVE)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         rng = np.random.default_rng(7)
         try:
@@ -102,11 +104,11 @@ async def test_garbage_never_stops_the_listener_and_requests_it_cannot_serve_are
                 with pytest.raises(wire.VllmRefused):
                     wire.decode_reply(await _recv(sock), 1 << 20)
                 sock.send(os.urandom(1 << 20))  # over the socket's limit: zmq drops the client
-            refused = prefill.stats()["vllm_requests_refused"]
+            refused = prefill.metrics().vllm_requests_refused
             assert refused == len(cases) + 1
             reply = await aionixl.vllm.fetch_metadata(address, timeout=10)  # still serving
             assert reply.metadata.engine_id == "prefill-0"
-            assert prefill.stats()["vllm_requests_answered"] == 1
+            assert prefill.metrics().vllm_requests_answered == 1
         finally:
             ctx.destroy(linger=0)
 
@@ -126,35 +128,35 @@ async def test_bad_arguments_are_value_errors_and_a_second_listener_is_refused()
                        {"kv_cache_layout": ""}, {"attn_backend_name": 3}, {"tp_rank": -1},
                        {"pp_rank": "0"}, {"layer_names": ["only-one"]}, {"layer_names": "ab"}):
             with pytest.raises(ValueError):
-                await prefill.serve_vllm(**{**SERVE, **change})
+                await aionixl.vllm.serve(prefill, **{**SERVE, **change})
         with pytest.raises(aionixl.ListenError):
-            await prefill.serve_vllm("tcp://256.0.0.1:1", **SERVE)
-        address = await prefill.serve_vllm(**SERVE)  # the failures left nothing behind
+            await aionixl.vllm.serve(prefill, "tcp://256.0.0.1:1", **SERVE)
+        address = await aionixl.vllm.serve(prefill, **SERVE)  # the failures left nothing behind
         with pytest.raises(RuntimeError, match="serves vLLM decoders already"):
-            await prefill.serve_vllm(**SERVE)
+            await aionixl.vllm.serve(prefill, **SERVE)
         assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
     with pytest.raises(aionixl.EngineClosedError):
-        await prefill.serve_vllm(**SERVE)
+        await aionixl.vllm.serve(prefill, **SERVE)
 
 
 async def test_the_listener_stops_with_the_engine() -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
-        address = await prefill.serve_vllm(**SERVE)
+        address = await aionixl.vllm.serve(prefill, **SERVE)
     with pytest.raises(aionixl.HandshakeError, match="did not answer"):
         await aionixl.vllm.fetch_metadata(address, timeout=0.3)
 
 
-async def test_closing_the_engine_ends_a_connect_vllm_that_waits_for_an_answer() -> None:
+async def test_closing_the_engine_ends_a_vllm_connect_that_waits_for_an_answer() -> None:
     """A side channel that never answers (its prefill closed): closing the engine ends the
     waiting call at once with EngineClosedError, even one with no deadline of its own."""
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
-        address = await prefill.serve_vllm(**SERVE)
+        address = await aionixl.vllm.serve(prefill, **SERVE)
     ended: list[float] = []
     async with aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
 
         async def connect(timeout: float) -> None:
             with pytest.raises(aionixl.EngineClosedError):
-                await decode.connect_vllm(address, timeout=timeout)
+                await aionixl.vllm.connect(decode, address, timeout=timeout)
             ended.append(time.monotonic())
 
         with anyio.fail_after(10):
@@ -168,13 +170,13 @@ async def test_closing_the_engine_ends_a_connect_vllm_that_waits_for_an_answer()
     assert zero_resources(decode)
 
 
-async def test_fetch_metadata_and_connect_vllm_refuse_a_timeout_not_a_positive_number_of_seconds() -> None:
+async def test_fetch_metadata_and_vllm_connect_refuse_a_timeout_not_a_positive_number_of_seconds() -> None:
     async with aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
         for bad in (-1, 0, True, float("nan"), "1", 2**2000):
             with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
                 await aionixl.vllm.fetch_metadata("tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
             with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
-                await decode.connect_vllm("tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
+                await aionixl.vllm.connect(decode, "tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
 
 
 def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:
@@ -192,27 +194,27 @@ def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:
             aionixl.vllm.transfer_params(rid, ids, **{**base, **change})  # type: ignore[arg-type]
 
 
-async def test_connect_vllm_reuses_a_peer_only_for_its_rank_and_checks_the_hash_again() -> None:
+async def test_vllm_connect_reuses_a_peer_only_for_its_rank_and_checks_the_hash_again() -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill, \
             aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
-        address = await prefill.serve_vllm(**SERVE)
-        peer = await decode.connect_vllm(address, timeout=10)
-        assert await decode.connect_vllm(address, expect_compat_hash=SERVE["compat_hash"]) is peer
+        address = await aionixl.vllm.serve(prefill, **SERVE)
+        peer = await aionixl.vllm.connect(decode, address, timeout=10)
+        assert await aionixl.vllm.connect(decode, address, expect_compat_hash=SERVE["compat_hash"]) is peer
         with pytest.raises(aionixl.IncompatiblePeerError) as info:
-            await decode.connect_vllm(address, expect_compat_hash="0" * 48)  # the live peer's hash
+            await aionixl.vllm.connect(decode, address, expect_compat_hash="0" * 48)  # the live peer's hash
         assert info.value.field == "compat_hash"
         with pytest.raises(aionixl.HandshakeError, match="refused"):
-            await decode.connect_vllm(address, tp_rank=1, timeout=10)  # another rank: asked again
-        assert prefill.stats()["vllm_requests_answered"] == 1
+            await aionixl.vllm.connect(decode, address, tp_rank=1, timeout=10)  # another rank: asked again
+        assert prefill.metrics().vllm_requests_answered == 1
 
 
 async def test_a_prefill_with_other_block_sizes_is_admitted_unless_equal_geometry_is_required() -> None:
     half = numpy_cache(BLOCKS, BLOCK_BYTES // 2, REGIONS)
     whole = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=4)
     async with aionixl.Engine("p", whole, listen=None) as prefill:
-        address = await prefill.serve_vllm(**SERVE)
+        address = await aionixl.vllm.serve(prefill, **SERVE)
         async with aionixl.Engine("d", half, listen=None) as decode:
-            peer = await decode.connect_vllm(address, timeout=10)
+            peer = await aionixl.vllm.connect(decode, address, timeout=10)
             assert peer.bytes_per_block == (BLOCK_BYTES,) * REGIONS
             with pytest.raises(ValueError, match="region 0"):
                 await decode.transfer_blocks(peer, [0], [0])  # whole blocks of other sizes
@@ -223,5 +225,5 @@ async def test_a_prefill_with_other_block_sizes_is_admitted_unless_equal_geometr
         strict = aionixl.EngineConfig(require_equal_geometry=True)
         async with aionixl.Engine("d2", half, listen=None, config=strict) as decode:
             with pytest.raises(aionixl.IncompatiblePeerError) as info:
-                await decode.connect_vllm(address, timeout=10)
+                await aionixl.vllm.connect(decode, address, timeout=10)
             assert info.value.field == "bytes_per_block[0]"

@@ -94,7 +94,7 @@ async def peer_killed() -> dict[str, Any]:
             await anyio.sleep(0.05)
     report["error"] = type(errors[0]).__name__ if errors else None
     report["peer_connected"] = peer.connected
-    report["leaked_on_close"] = engine.stats()["leaked_on_close"]
+    report["leaked_on_close"] = engine.metrics().leaked_on_close
     report["os_tasks_after"] = await settled_tasks(at_most=report["os_tasks_before"])
     return report
 

@@ -8,7 +8,7 @@ Its blocks hold the pattern the vLLM decode checks (``expected_words``). Message
 (:mod:`aionixl._lines`): ``ready`` on ``--fd``; commands on stdin, one per line:
 ``{"op": "lease", "req": ID, "blocks": [...], "duration": S}`` (answered ``{"leased": ID}``,
 then ``{"lease": ID, "outcome": "released" | "expired" | ...}`` when it ends) and
-``{"op": "stats"}`` (``{"stats": ..., "resources": ..., "vllm_engine_id": ...}``),
+``{"op": "stats"}`` (``{"stats": ..., "resources": ..., "engine_id": ...}``),
 ``{"op": "abort-serving-child"}`` (SIGABRT to the ``isolate`` child; ``{"aborted": pid}``). End of
 stdin closes the engine and reports ``{"closed": live_resources}``.
 """
@@ -25,6 +25,8 @@ import anyio.abc
 import numpy as np
 
 import aionixl
+import aionixl.lowlevel
+import aionixl.vllm
 from aionixl._bench._memory import expected_words
 from aionixl._lines import LineReader, write_file
 
@@ -47,15 +49,15 @@ async def serve(args: argparse.Namespace) -> None:
     def emit(obj: dict[str, Any]) -> None:
         write_file(out, obj)
 
-    config = aionixl.EngineConfig(nixl_progress_thread=args.progress_thread)
+    tuning = aionixl.lowlevel.Tuning(nixl_progress_thread=args.progress_thread)
     engine_id = f"serving-prefill-{os.getpid()}"
     kv = cache(args.layers, args.blocks, args.page, args.isolate)
-    async with aionixl.Engine(engine_id, kv, listen=None, config=config) as engine, \
+    async with aionixl.Engine(engine_id, kv, listen=None, tuning=tuning) as engine, \
             anyio.create_task_group() as tg:
-        address = await engine.serve_vllm("tcp://127.0.0.1:0", engine_id=engine_id,
-                                          compat_hash=args.compat_hash, block_size=args.block_size,
-                                          kv_cache_layout="LBHNC", attn_backend_name=args.attn_backend,
-                                          isolate=args.isolate)
+        address = await aionixl.vllm.serve(engine, "tcp://127.0.0.1:0", engine_id=engine_id,
+                                           compat_hash=args.compat_hash, block_size=args.block_size,
+                                           kv_cache_layout="LBHNC", attn_backend_name=args.attn_backend,
+                                           isolate=args.isolate)
         emit({"ready": {"pid": os.getpid(), "address": address, "engine_id": engine_id}})
 
         async def watch(lease: aionixl.Lease) -> None:
@@ -87,8 +89,10 @@ async def serve(args: argparse.Namespace) -> None:
                     os.kill(sidecar.pid, signal.SIGABRT)
                     emit({"aborted": sidecar.pid})
                 elif cmd["op"] == "stats":
-                    emit({"stats": engine.stats(), "resources": engine.live_resources(),
-                          "vllm_engine_id": engine.vllm_engine_id})
+                    counts = {k: v for k, v in engine.metrics().as_dict().items()
+                              if isinstance(v, (int, bool))}
+                    emit({"stats": counts, "resources": engine.live_resources(),
+                          "engine_id": aionixl.vllm.engine_id(engine)})
         tg.cancel_scope.cancel()
     emit({"closed": engine.live_resources()})
 
@@ -103,7 +107,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--attn-backend", required=True)
     p.add_argument("--progress-thread", action="store_true")
-    p.add_argument("--isolate", action="store_true", help="serve_vllm(isolate=True)")
+    p.add_argument("--isolate", action="store_true", help="aionixl.vllm.serve(isolate=True)")
     anyio.run(serve, p.parse_args())
 
 

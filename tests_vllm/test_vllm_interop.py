@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 import aionixl.vllm
 
 from .prefill import VllmPrefill, region_matches
@@ -56,10 +57,10 @@ async def test_read_from_vllm_prefill_verifies_bytes_and_frees_blocks(prefill: V
     req = unique("req")
     prefill.hold(req, lease_s=60)
     local = decode_cache()
-    config = aionixl.EngineConfig(peer_probe_interval=0.05)
-    async with aionixl.Engine(unique("dec"), local, listen=None, config=config) as engine:
-        peer = await engine.connect_vllm(prefill.address, timeout=30)
-        assert peer is await engine.connect_vllm(prefill.address)  # idempotent
+    tuning = aionixl.lowlevel.Tuning(peer_probe_interval=0.05)
+    async with aionixl.Engine(unique("dec"), local, listen=None, tuning=tuning) as engine:
+        peer = await aionixl.vllm.connect(engine, prefill.address, timeout=30)
+        assert peer is await aionixl.vllm.connect(engine, prefill.address)  # idempotent
         assert len(peer.regions) == LAYERS and peer.num_blocks == BLOCKS
         remote = [5, 9, 10, 11, 63]
         result = await engine.transfer_blocks(peer, [0, 1, 2, 3, 4], remote, op="read",
@@ -83,18 +84,18 @@ async def test_geometry_and_compat_hash_are_checked(prefill: VllmPrefill, anyio_
     for cache, field, config in cases:
         async with aionixl.Engine(unique("dec"), cache, listen=None, config=config) as engine:
             with pytest.raises(aionixl.IncompatiblePeerError) as info:
-                await engine.connect_vllm(prefill.address, timeout=30)
+                await aionixl.vllm.connect(engine, prefill.address, timeout=30)
             assert info.value.field == field
             assert not engine.peers
     async with aionixl.Engine(unique("dec"), decode_cache(page=PAGE // 2), listen=None) as engine:
-        peer = await engine.connect_vllm(prefill.address, timeout=30)  # other pages: parts move
+        peer = await aionixl.vllm.connect(engine, prefill.address, timeout=30)  # other pages: parts move
         assert peer.bytes_per_block == (PAGE,) * LAYERS
     async with aionixl.Engine(unique("dec"), decode_cache(), listen=None) as engine:
         with pytest.raises(aionixl.IncompatiblePeerError) as info:
-            await engine.connect_vllm(prefill.address, expect_compat_hash="0" * 64, timeout=30)
+            await aionixl.vllm.connect(engine, prefill.address, expect_compat_hash="0" * 64, timeout=30)
         assert info.value.field == "compat_hash"
-        peer = await engine.connect_vllm(prefill.address, timeout=30,
-                                         expect_compat_hash=prefill.ready["compat_hash"])
+        peer = await aionixl.vllm.connect(engine, prefill.address, timeout=30,
+                                          expect_compat_hash=prefill.ready["compat_hash"])
         assert peer.connected
 
 
@@ -103,7 +104,7 @@ async def test_nobody_listening_is_a_handshake_error(anyio_backend: str) -> None
 
     async with aionixl.Engine(unique("dec"), decode_cache(), listen=None) as engine:
         with pytest.raises(aionixl.HandshakeError, match="did not answer"):
-            await engine.connect_vllm(f"127.0.0.1:{free_port()}", timeout=0.5)
+            await aionixl.vllm.connect(engine, f"127.0.0.1:{free_port()}", timeout=0.5)
 
 
 async def test_heartbeat_extends_the_lease(prefill: VllmPrefill, anyio_backend: str) -> None:
@@ -111,7 +112,7 @@ async def test_heartbeat_extends_the_lease(prefill: VllmPrefill, anyio_backend: 
     prefill.hold(kept, lease_s=5)
     prefill.hold(lapsed, lease_s=1)
     async with aionixl.Engine(unique("dec"), decode_cache(), listen=None) as engine:
-        peer = await engine.connect_vllm(prefill.address, timeout=30)
+        peer = await aionixl.vllm.connect(engine, prefill.address, timeout=30)
         await aionixl.vllm.heartbeat(engine, peer, [kept])
         # vLLM moves the lease to now + 2/3 of kv_lease_duration (30 s): about 20 s.
         moved = await prefill.until(lambda e: e.get("event") == "lease" and e["req"] == kept, 30)
@@ -130,7 +131,7 @@ async def test_prefill_killed_mid_read_raises_peer_disconnected(anyio_backend: s
     local = decode_cache()
     try:
         async with aionixl.Engine(unique("dec"), local, listen=None) as engine:
-            peer = await engine.connect_vllm(worker.address, timeout=30)
+            peer = await aionixl.vllm.connect(engine, worker.address, timeout=30)
             await engine.transfer_blocks(peer, [0, 1], [2, 3])
             assert region_matches(local[2], 2, [0, 1], [2, 3])
             failures: list[BaseException] = []
@@ -174,7 +175,7 @@ async def test_two_decode_ranks_at_tp2_each_read_their_half_of_the_heads_from_a_
     async with aionixl.Engine(unique("dec-r0"), halves[0], listen=None) as rank0, \
             aionixl.Engine(unique("dec-r1"), halves[1], listen=None) as rank1:
         for rank, engine in enumerate((rank0, rank1)):
-            peer = await engine.connect_vllm(prefill.address, timeout=30)
+            peer = await aionixl.vllm.connect(engine, prefill.address, timeout=30)
             assert peer.bytes_per_block == (PAGE,) * LAYERS  # admitted with its larger pages
             [read] = tp_reads(1, 2, rank, kv_heads=4, layout="HND")
             assert read.remote_rank == 0 and read.local_part is None

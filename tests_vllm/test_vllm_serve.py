@@ -1,4 +1,4 @@
-"""An aionixl prefill serving a real vLLM NixlConnector decode worker (``Engine.serve_vllm``).
+"""An aionixl prefill serving a real vLLM NixlConnector decode worker (``aionixl.vllm.serve``).
 
 The decode is vLLM's own connector in the consumer role (``aionixl_contenders.vllm_decode``,
 a child process driven as vLLM's engine loop drives it): its side-channel handshake, its
@@ -69,7 +69,7 @@ async def serve(engine: aionixl.Engine, decode: VllmDecode, engine_id: str, **ch
         "kv_cache_layout": "LBHNC", "attn_backend_name": ready["attn_backend"],
         "layer_names": ready["layer_names"]}
     kwargs.update(changes)
-    address = await engine.serve_vllm("tcp://127.0.0.1:0", **kwargs)
+    address = await aionixl.vllm.serve(engine, "tcp://127.0.0.1:0", **kwargs)
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     await decode.ask({"op": "target", "engine_id": engine_id, "host": host, "port": int(port)})
     return address
@@ -89,7 +89,7 @@ async def test_vllm_decode_reads_exact_blocks_and_its_notification_releases_the_
         assert lease.done and lease.readers_done == 1 and req not in engine.leases
         metrics = engine.metrics()
         assert (metrics.leases_released, metrics.leases_expired, metrics.leases_active) == (1, 0, 0)
-        assert engine.stats()["vllm_requests_answered"] == 1
+        assert engine.metrics().vllm_requests_answered == 1
     assert all(v == 0 for v in engine.live_resources().values())
 
 
@@ -126,8 +126,8 @@ async def test_a_rank_not_served_is_refused_and_the_server_keeps_serving(decode:
         address = await serve(engine, decode, engine_id, tp_rank=1)  # the decode asks for rank 0
         with pytest.raises(RuntimeError, match="vLLM reported failed reads"):
             await decode.ask({"op": "verify", "req": unique("refused"), "local": [0], "remote": [0]})
-        assert engine.stats()["vllm_requests_refused"] >= 1
-        assert engine.stats()["vllm_requests_answered"] == 0
+        assert engine.metrics().vllm_requests_refused >= 1
+        assert engine.metrics().vllm_requests_answered == 0
         # The listener lives on: aionixl's own vLLM client reads through it.
         hs = await aionixl.vllm.fetch_metadata(address, tp_rank=1)
         assert hs.metadata.engine_id == engine_id
@@ -266,7 +266,7 @@ def test_a_vllm_decode_reads_again_from_a_replaced_serving_child_under_its_new_e
         while True:  # the replacement is up once the engine serves under the new id
             prefill.send({"op": "stats"})
             stats = prefill.line(lambda m: "stats" in m, 10)
-            if stats["vllm_engine_id"] == f"{engine_id}~1":
+            if stats["engine_id"] == f"{engine_id}~1":
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.1)

@@ -45,6 +45,7 @@ import zmq
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import aionixl
+import aionixl.lowlevel
 from aionixl import _protocol as proto
 from aionixl._lines import decode_line, write_file
 from aionixl.testing import make_caches
@@ -130,9 +131,9 @@ class GoodClient:
         self.portal, self.address = portal, address
         self.cache = [np.zeros((BLOCKS, BLOCK_BYTES), np.uint8) for _ in range(REGIONS)]
         self.expected = seeded(SEED)
-        config = aionixl.EngineConfig(max_handshake_bytes=limit)
+        tuning = aionixl.lowlevel.Tuning(max_handshake_bytes=limit)
         self.engine = portal.call(lambda: aionixl.Engine(f"fuzz-good-{os.getpid()}", self.cache,
-                                                         listen=None, config=config))
+                                                         listen=None, tuning=tuning))
         stack.enter_context(portal.wrap_async_context_manager(self.engine))
         self.rounds = 0
         self.ok = 0
