@@ -73,7 +73,7 @@ class PartPath:
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
-        if peer._push and op == "read":  # the peer writes the parts into ours
+        if peer.link.push and op == "read":  # the peer writes the parts into ours
             plan = plan_parts([r.block_bytes for r in self._local.regions], local_part,
                               list(peer.bytes_per_block), remote_part)
             if PARTS_FEATURE not in peer.features:

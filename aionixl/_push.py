@@ -187,7 +187,7 @@ class _Read:
     def __init__(self, peer: Peer, rid: int, staged: bool = False) -> None:
         self.peer = peer
         #: The server's process when asked (a revived Peer object may be its successor's).
-        self.server = peer._incarnation
+        self.server = peer.link.incarnation
         self.rid = rid
         self.staged = staged  # into our staging slots, not our blocks
         self.sent = False  # the request left: the server may write
@@ -215,7 +215,7 @@ class _Job:
                  parts: PartLists | None, dlist: int, deadline: float, notify: bytes) -> None:
         self.peer = peer
         #: The reader's incarnation: a revived Peer object may be another process's.
-        self.reader = peer._incarnation
+        self.reader = peer.link.incarnation
         self.rid = rid
         self.chunks = chunks
         self.parts = parts  # the lists the chunks index, for parts of blocks; else whole blocks
@@ -508,9 +508,9 @@ class Pusher:
             job.wake.set()
             return
         peer = self._peers.by_name.get(name)
-        if peer is None or (sender and sender != peer._incarnation):
+        if peer is None or (sender and sender != peer.link.incarnation):
             return  # not from the process we know by that name: nothing of ours to tell it
-        if self._lost.holds(name, peer._incarnation, rid):  # its bytes may still land: never "gone"
+        if self._lost.holds(name, peer.link.incarnation, rid):  # its bytes may still land: never "gone"
             self._send(peer, push_error(rid, "a chunk of it ended without completing", lost=True))
         else:  # nothing of it is under way: say so at once
             self._send(peer, PGONE + rid_bytes(rid))
@@ -544,12 +544,12 @@ class Pusher:
         if peer is None:
             raise WireError("a push request from an agent that is not an admitted peer")
         # The reader names at most its blocks (or staging slots), each once.
-        ids = max(peer.num_blocks, peer._staging.num_blocks if peer._staging is not None else 0)
+        ids = max(peer.num_blocks, peer.link.staging.num_blocks if peer.link.staging is not None else 0)
         try:
             req = decode_push_request(payload, ids)
         except WireError as exc:
             return self._refuse(peer, 0, str(exc), malformed=True)
-        if req.reader and req.reader != peer._incarnation:
+        if req.reader and req.reader != peer.link.incarnation:
             # From an earlier process of that name, delivered late: serving it would write
             # into the new one's staging slots, refusing it would fail the new one's read of
             # that id.
@@ -592,11 +592,11 @@ class Pusher:
         dst = np.frombuffer(req.dst, dtype="<i4").astype(np.int32)
         src = np.frombuffer(req.src, dtype="<i4").astype(np.int32)
         own_blocks = self._local.num_blocks
-        slots = peer._staging
+        slots = peer.link.staging
         if req.staged and slots is None:
             raise ValueError("a read into staging slots, but the reader announced none")
         dst_blocks, dst_offsets, dst_dlist = (slots.num_blocks, slots.offsets, slots.dlist) \
-            if req.staged and slots is not None else (peer.num_blocks, peer._offsets, peer._dlist)
+            if req.staged and slots is not None else (peer.num_blocks, peer.link.offsets, peer.link.dlist)
         if dst.min() < 0 or dst.max() >= dst_blocks:
             raise ValueError(f"destination block id out of range [0, {dst_blocks})")
         if src.min() < 0 or src.max() >= own_blocks:
@@ -609,7 +609,7 @@ class Pusher:
             per_chunk = max(1, self._tuning.push_chunk_bytes // parts.nbytes)
             return [parts.indices(src[i:i + per_chunk], dst[i:i + per_chunk])
                     for i in range(0, dst.size, per_chunk)], parts, -1
-        if peer._unequal:
+        if peer.link.unequal:
             raise ValueError(f"whole blocks cannot be pushed: block sizes differ (ours "
                              f"{[r.block_bytes for r in self._local.regions]}, the reader's "
                              f"{list(peer.bytes_per_block)})")
@@ -695,7 +695,7 @@ class Pusher:
         admitted since under that name if it is the same process; not to another process
         (a revived Peer object may be one)."""
         peer = job.peer if job.peer.connected else self._peers.by_name.get(job.peer.name)
-        if peer is not None and peer._incarnation == job.reader:
+        if peer is not None and peer.link.incarnation == job.reader:
             self._send(peer, message)
 
     def _lose(self, job: _Job, reason: str) -> None:
@@ -704,10 +704,10 @@ class Pusher:
         self.lost += 1
         name = job.peer.name
         current = self._peers.by_name.get(name)
-        if current is None or current._incarnation == job.reader:  # else its cancels are ignored
+        if current is None or current.link.incarnation == job.reader:  # else its cancels are ignored
             self._lost.add(name, job.reader, job.rid)
         if current is not None:
-            self._lost.keep_only(name, current._incarnation)
+            self._lost.keep_only(name, current.link.incarnation)
         self._tell(job, push_error(job.rid, reason, lost=True))
 
     # ---- peers lost, engine closing -----------------------------------------------------
