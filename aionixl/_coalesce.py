@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from ._agent import DONE, ERR, NO_HANDLE, PROC, Indices, Status
 from ._config import EngineConfig, Tuning
 from ._errors import (
     AionixlError,
@@ -34,7 +35,6 @@ from ._errors import (
 from ._inflight import InFlight, InFlightTable, failed_in_nixl
 from ._lifecycle import CLOSED, CLOSING, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, ERR, NO_HANDLE, PROC, Indices, Status
 from ._parking import ALL, LoopTools, Unpark, no_recancel, no_task
 from ._peer import Peer
 from ._peers import PeerTable

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._agent import AgentFactory
+
 
 def _mapping() -> Mapping[str, str]:
     return {}
@@ -106,6 +108,9 @@ class Tuning:
     #: Push reads one peer may have open on this engine (as the serving side); more are
     #: refused with a TransferError at the reader.
     max_pushes_per_peer: int = 1024
+    #: Makes the engine's NIXL agents (``aionixl._agent.Agent``): None is NIXL's own. A test
+    #: seam: the tests' in-memory fake agent comes in here. Not sent to remote engines.
+    agent_factory: AgentFactory | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_bools({"nixl_progress_thread": self.nixl_progress_thread,
@@ -127,6 +132,8 @@ class Tuning:
         if self.coalesce_max_blocks > MAX_COALESCE_BLOCKS:
             raise ValueError(f"coalesce_max_blocks must be at most {MAX_COALESCE_BLOCKS}, "
                              f"got {self.coalesce_max_blocks!r}")
+        if self.agent_factory is not None and not callable(self.agent_factory):
+            raise ValueError(f"agent_factory must be callable or None, got {self.agent_factory!r}")
         window = self.coalesce_window
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
             raise ValueError(f"coalesce_window must be a finite number of seconds >= 0, got {window!r}")

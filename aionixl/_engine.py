@@ -40,7 +40,7 @@ from ._inflight import InFlightTable
 from ._leases import Lease, LeaseTable
 from ._lifecycle import CLOSED, CLOSING, DRAINING, NEW, OPEN, Lifecycle, LocalSide
 from ._metrics import STATS_KEYS, EngineMetrics, TransferMetrics
-from ._nixl import Agent
+from ._nixl import NixlAgent
 from ._notifications import Mailbox, Notification
 from ._parking import loop_tools
 from ._parts import BlockPart
@@ -379,8 +379,9 @@ class Engine:
 
     def _open_nixl(self) -> None:
         cfg, tuning, local = self._config, self._tuning, self._local
-        agent = local.agent = Agent(self._name, cfg.backends, tuning.nixl_progress_thread,
-                                    tuning.nixl_telemetry)
+        make = tuning.agent_factory or NixlAgent
+        agent = local.agent = make(self._name, cfg.backends, tuning.nixl_progress_thread,
+                                   tuning.nixl_telemetry)
         agent.register(registration_spans(self._regions), local.mem_type)
         local.dlist = agent.prep_dlist(None, block_descriptors(self._regions), local.mem_type)
         if cfg.push_staging_bytes and local.mem_type == "DRAM":

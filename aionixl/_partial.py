@@ -22,12 +22,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from ._agent import DONE, NO_HANDLE, Indices
 from ._checks import check_timeout
 from ._coalesce import Coalescer
 from ._errors import TransferError
 from ._lifecycle import LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, NO_HANDLE, Indices
 from ._parts import BlockPart, PartPlan, plan_parts
 from ._peer import Peer
 from ._peers import PeerTable

@@ -20,12 +20,12 @@ from typing import NoReturn
 import anyio
 import anyio.lowlevel
 
+from ._agent import DONE, NO_HANDLE, Indices, Status
 from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._inflight import InFlightTable
 from ._lifecycle import CLOSED, CLOSING, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, NO_HANDLE, Indices, Status
 from ._parking import LoopTools, no_task
 from ._parts import PartLists
 from ._peer import Peer

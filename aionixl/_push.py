@@ -56,6 +56,7 @@ Where a one-sided GET is native the engine reads with it instead; the choice is
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import math
@@ -67,6 +68,7 @@ import anyio
 import anyio.abc
 import numpy as np
 
+from ._agent import DONE, NO_HANDLE, PROC, Indices
 from ._config import EngineConfig, Tuning
 from ._errors import (
     AionixlError,
@@ -76,7 +78,6 @@ from ._errors import (
 )
 from ._inflight import InFlight, InFlightTable
 from ._lifecycle import Lifecycle, LocalSide
-from ._nixl import DONE, NO_HANDLE, PROC, Indices
 from ._notifications import Notification
 from ._parts import BlockPart, PartLists
 from ._peer import Peer
@@ -117,7 +118,19 @@ def _part(wire: tuple[int, int, int] | None) -> BlockPart | None:
 
 # ---- the component ----------------------------------------------------------------------
 
-_OPEN, _DONE, _GONE, _FAILED = 0, 1, 2, 3
+class ReadState(enum.Enum):
+    """Where a push read this engine asked for stands. It starts ``OPEN`` and moves once
+    (``_Read.settle``) to how the server said it ended: ``DONE`` (PDONE: every byte landed),
+    ``GONE`` (PGONE: stopped, nothing of it moving), or ``FAILED`` (PERR: refused or given up
+    with nothing outstanding; PLOST: bytes of it may still land; or its peer was dropped).
+    A close that cannot tell a server finds it ``GONE`` when its connection is gone."""
+
+    OPEN = "open"
+    DONE = "done"
+    GONE = "gone"
+    FAILED = "failed"
+
+
 
 #: How long a push chunk still moving after its read's deadline is waited for, so that
 #: its end can be confirmed to the reader (which reuses its staging slots then).
@@ -191,14 +204,14 @@ class _Read:
         self.rid = rid
         self.staged = staged  # into our staging slots, not our blocks
         self.sent = False  # the request left: the server may write
-        self.state = _OPEN
+        self.state = ReadState.OPEN
         #: The server said nothing more of it will land (PDONE, PGONE or PERR).
         self.confirmed = False
         self.error: AionixlError | None = None
         self.event = anyio.Event()
 
-    def settle(self, state: int, error: AionixlError | None = None) -> None:
-        if self.state == _OPEN:
+    def settle(self, state: ReadState, error: AionixlError | None = None) -> None:
+        if self.state == ReadState.OPEN:
             self.state = state
             if error is not None and self.error is None:
                 self.error = error
@@ -393,18 +406,18 @@ class Pusher:
             with anyio.fail_after(left if math.isfinite(left) else None):
                 await rec.event.wait()
         except BaseException as exc:
-            if rec.state == _OPEN and not self._closing:
+            if rec.state == ReadState.OPEN and not self._closing:
                 with anyio.CancelScope(shield=True):
                     await self._fence(rec)
             await self._until_nothing_lands(rec)
             if not isinstance(exc, TimeoutError):
                 raise
-            if rec.state != _DONE:  # (data that landed just as time ran out still counts)
+            if rec.state != ReadState.DONE:  # (data that landed just as time ran out still counts)
                 raise self._timed_out(peer, limit) from None
         finally:
             if not self._closing:  # a closing engine fences what is left in close()
                 self.reads.pop(rid, None)
-        if rec.state != _DONE:
+        if rec.state != ReadState.DONE:
             await self._until_nothing_lands(rec)
             error = rec.error or TransferError(f"push read from {peer.name!r} ended without data")
             raise type(error)(str(error)) from error.__cause__
@@ -432,23 +445,23 @@ class Pusher:
         limit = self._tuning.push_cancel_timeout
         try:
             with anyio.move_on_after(limit):
-                while rec.state == _OPEN and not self._closing:
+                while rec.state == ReadState.OPEN and not self._closing:
                     await rec.event.wait()
-                    if rec.state == _OPEN:
+                    if rec.state == ReadState.OPEN:
                         rec.event = anyio.Event()
         except BaseException:
             # A cancellation the shield does not hold back (asyncio's own Task.cancel())
             # cut the wait short: unconfirmed, like one that timed out.
-            if rec.state == _OPEN and peer.connected and not self._closing:
+            if rec.state == ReadState.OPEN and peer.connected and not self._closing:
                 self._peers.evict_unfenced(peer, "a cancelled read's wait for the server to confirm "
                                                  "it stopped was cancelled")
             raise
-        if rec.state == _OPEN and peer.connected and not self._closing:
+        if rec.state == ReadState.OPEN and peer.connected and not self._closing:
             self._peers.evict_unfenced(peer, f"a cancelled read was not confirmed stopped within {limit} s")
 
     async def stop_peer(self, peer: Peer) -> None:
         """Before disconnecting: cancel our reads from ``peer`` and stop serving it (bounded)."""
-        ours = [r for r in self.reads.values() if r.peer is peer and r.state == _OPEN]
+        ours = [r for r in self.reads.values() if r.peer is peer and r.state == ReadState.OPEN]
         for rec in ours:  # what their callers get once the server confirmed
             rec.error = PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
         served = [j for j in self.jobs.values() if j.peer is peer]
@@ -471,16 +484,16 @@ class Pusher:
         if not message.startswith(PUSH_FAMILY):
             return False
         if message.startswith(PDONE):
-            self._settle(name, rid_payload(message[len(PDONE):], "PDONE"), _DONE)
+            self._settle(name, rid_payload(message[len(PDONE):], "PDONE"), ReadState.DONE)
         elif message.startswith(PGONE):
-            self._settle(name, rid_payload(message[len(PGONE):], "PGONE"), _GONE)
+            self._settle(name, rid_payload(message[len(PGONE):], "PGONE"), ReadState.GONE)
         elif message.startswith((PERR, PLOST)):
             lost = message.startswith(PLOST)
             err = decode_push_error(memoryview(message)[len(PLOST if lost else PERR):])
             rec = self.reads.get(err.rid)
             if rec is not None and rec.peer.name == name:
                 rec.confirmed = not lost  # lost: what it was landing in stays out of use
-                rec.settle(_FAILED, TransferError(
+                rec.settle(ReadState.FAILED, TransferError(
                     f"peer {name!r} lost the read, and bytes of it may still land: {err.reason[:300]}"
                     if lost else f"peer {name!r} refused or stopped the read: {err.reason[:300]}"))
             elif not lost and self._local.staging is not None:
@@ -491,7 +504,7 @@ class Pusher:
             self._serve(name, memoryview(message)[len(PUSH):])
         return True
 
-    def _settle(self, name: str, rid: int, state: int) -> None:
+    def _settle(self, name: str, rid: int, state: ReadState) -> None:
         rec = self.reads.get(rid)
         if rec is not None and rec.peer.name == name:
             rec.confirmed = True
@@ -716,7 +729,7 @@ class Pusher:
         """The peer was dropped: our reads from it fail; pushes to it stop."""
         for rec in self.reads.values():
             if rec.peer is peer:
-                rec.settle(_FAILED, error)
+                rec.settle(ReadState.FAILED, error)
         for job in self.jobs.values():
             if job.peer is peer:
                 job.cancelled = True
@@ -730,7 +743,7 @@ class Pusher:
         if self._local.staging is not None:
             self._local.staging.close()
         for rec in self.reads.values():
-            if rec.state == _OPEN:
+            if rec.state == ReadState.OPEN:
                 rec.error = error
 
     def fail_all(self) -> None:
@@ -747,14 +760,14 @@ class Pusher:
         agent = self._local.agent
         if agent is None:
             return
-        open_reads = [r for r in self.reads.values() if r.state == _OPEN and r.peer.connected]
+        open_reads = [r for r in self.reads.values() if r.state == ReadState.OPEN and r.peer.connected]
         for rec in open_reads:
             try:
                 agent.send_notif(rec.peer.name, self._cancel_message(rec.rid))
             except AionixlError:
-                rec.state = _GONE  # its connection is gone: nothing can land
+                rec.state = ReadState.GONE  # its connection is gone: nothing can land
         end = min(deadline_at, anyio.current_time() + self._tuning.push_cancel_timeout)
-        while any(r.state == _OPEN for r in open_reads) and anyio.current_time() < end:
+        while any(r.state == ReadState.OPEN for r in open_reads) and anyio.current_time() < end:
             try:
                 notifs = agent.get_notifs()
             except AionixlError:

@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from ._agent import DONE, NO_HANDLE, Indices
 from ._checks import check_timeout
 from ._coalesce import Coalescer, with_room
 from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, NO_HANDLE, Indices
 from ._partial import PartPath
 from ._parts import BlockPart
 from ._peer import Peer

@@ -37,7 +37,7 @@ import numpy as np
 
 from ._errors import AionixlError
 from ._lines import LineReader, write_fd
-from ._nixl import Agent
+from ._nixl import NixlAgent
 from ._notifications import Notification
 from ._protocol import RegionInfo
 from ._ratelimit import RateLimitedLog
@@ -257,7 +257,7 @@ def _map_regions(rows: list[list[int]]) -> tuple[list[Region], list[Any]]:
 
 async def _serve(spec: dict[str, Any], ctl: int) -> None:
     regions, keep = _map_regions(spec["regions"])
-    agent = Agent(spec["name"], tuple(spec["backends"]), progress_thread=True,
+    agent = NixlAgent(spec["name"], tuple(spec["backends"]), progress_thread=True,
                   progress_delay_us=PROGRESS_DELAY_US)
     try:
         agent.register(registration_spans(regions), "DRAM")
@@ -273,7 +273,7 @@ async def _serve(spec: dict[str, Any], ctl: int) -> None:
         del keep
 
 
-async def _relay(agent: Agent, ctl: int, cap: float) -> None:
+async def _relay(agent: NixlAgent, ctl: int, cap: float) -> None:
     """Poll NIXL for notifications and pass them on: every loop turn while they arrive,
     backing off (doubling) to ``cap`` while none do."""
     interval = 0.0
