@@ -129,6 +129,7 @@ class Engine:
                                           config.max_pending_notification_bytes, mailbox_full)
         host = host_facts()
         peers = self._peers = PeerTable(local, life, noisy, read_mode=config.read_mode, host=host,
+                                        max_descriptors=tuning.max_peer_descriptors,
                                         on_admit=self._wake_drainer, on_drop=self._peer_dropped)
         table = self._inflight = InFlightTable(local, peers.evict, self._wake_drainer)
         metrics = self._transfer_metrics = TransferMetrics(TransferResult, local.bytes_per_block,
@@ -148,7 +149,7 @@ class Engine:
         self._push = Pusher(local, life, config, tuning, peers, table, deliver, noisy, refusals,
                             self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, tuning, peers, noisy, host, self._wake_drainer)
-        self._vllm = VllmConnector(local, life, peers, config)
+        self._vllm = VllmConnector(local, life, peers, config, tuning.max_peer_descriptors)
         self._vllm_server = VllmServer(local, config, tuning, noisy, self._wake_drainer, self._relayed, host)
         self._transfers = Transfers(local, life, config, tuning, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)

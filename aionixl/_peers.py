@@ -46,11 +46,13 @@ class PeerTable:
     """The live peers of one engine, by name and by address, and their NIXL state."""
 
     def __init__(self, local: LocalSide, life: Lifecycle, noisy: RateLimitedLog, *, read_mode: str,
-                 host: Mapping[str, str], on_admit: Callable[[], None], on_drop: OnDrop) -> None:
+                 host: Mapping[str, str], max_descriptors: int, on_admit: Callable[[], None],
+                 on_drop: OnDrop) -> None:
         self._local = local
         self._life = life
         self._read_mode = read_mode  # EngineConfig.read_mode
         self._host = host  # where this engine runs (_hostfacts.host_facts)
+        self._max_descriptors = max_descriptors  # in one list of a peer's (Tuning)
         self.by_name: dict[str, Peer] = {}
         self.by_address: dict[str, Peer] = {}
         #: Peers evicted to fence a read, by address: a handshake with the same engine
@@ -197,7 +199,7 @@ class PeerTable:
         remote, remote_blocks = (peer.regions, peer.num_blocks) if target is None \
             else (target.regions, target.num_blocks)
         check_list_size(local.num_blocks, plan.local, "local_part")
-        check_list_size(remote_blocks, plan.remote, "remote_part")
+        check_list_size(remote_blocks, plan.remote, "remote_part", self._max_descriptors)
         agent = local.agent
         assert agent is not None
         mine_descs = part_descriptors(local.regions, plan.local)
