@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from ._agent import DONE, ERR, NO_HANDLE, PROC, Indices, Status
 from ._config import EngineConfig, Tuning
 from ._errors import (
     AionixlError,
@@ -34,7 +35,6 @@ from ._errors import (
 from ._inflight import InFlight, InFlightTable, failed_in_nixl
 from ._lifecycle import CLOSED, CLOSING, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, ERR, NO_HANDLE, PROC, Indices, Status
 from ._parking import ALL, LoopTools, Unpark, no_recancel, no_task
 from ._peer import Peer
 from ._peers import PeerTable
@@ -345,8 +345,8 @@ class Coalescer:
         if agent is None or self._life.state in (CLOSING, CLOSED):
             batch.finish(ERR, EngineClosedError(f"engine {self._life.name!r} closed"))
             return
-        if not peer._connected:
-            lost = peer._lost
+        if not peer.link.connected:
+            lost = peer.link.lost
             error = PeerDisconnectedError(f"peer {peer.name!r} was disconnected" if lost is None else
                                           f"peer {peer.name!r} is unreachable and was evicted: {lost}")
             error.__cause__ = lost
@@ -359,7 +359,7 @@ class Coalescer:
             if len(entries) == 1:
                 local, remote = entries[0][0], entries[0][1]
             else:
-                local, remote = _merged_indices(entries, batch.blocks, self._offsets, peer._offsets,
+                local, remote = _merged_indices(entries, batch.blocks, self._offsets, peer.link.offsets,
                                                 batch.dups > 0)
                 if first:
                     self.merged_requests += 1
@@ -375,7 +375,7 @@ class Coalescer:
                     batch.tag = next(self._tags)
                 message = pack_tagged(batch.tag, messages)
         try:
-            handle, status = agent.start_xfer(batch.op, self._local.dlist, local, peer._dlist, remote,
+            handle, status = agent.start_xfer(batch.op, self._local.dlist, local, peer.link.dlist, remote,
                                               message, self._inline_polls)
         except PeerDisconnectedError as exc:
             batch.finish(ERR, self._peers.evict(peer, exc))
@@ -510,7 +510,7 @@ class Coalescer:
     async def _fence_failed(self, batch: Batch, entry: _Entry) -> None:
         """A merged read NIXL failed while its peer stays connected may still be writing,
         as a lone read that failed may: fence the member's blocks before it returns."""
-        if batch.op == "read" and batch.status == ERR and batch.posted_at and batch.peer._connected:
+        if batch.op == "read" and batch.status == ERR and batch.posted_at and batch.peer.link.connected:
             await self._direct.fence(batch.peer, entry[0], entry[1])  # (posted_at: it reached NIXL)
 
     async def _leave(self, batch: Batch, entry: _Entry) -> bool:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ._agent import AgentFactory
+
 
 def _mapping() -> Mapping[str, str]:
     return {}
@@ -106,6 +108,17 @@ class Tuning:
     #: Push reads one peer may have open on this engine (as the serving side); more are
     #: refused with a TransferError at the reader.
     max_pushes_per_peer: int = 1024
+    #: The most descriptors (one per region and block) this engine prepares for one list of
+    #: a peer's: its blocks, its staging slots, or its side of a pair of block parts. A peer
+    #: announcing more is refused at the handshake (``IncompatiblePeerError``, ``.field``
+    #: ``"num_blocks"`` or ``"staging"``) before anything is allocated; parts needing more
+    #: raise ``ValueError``. 2**24 fits a 70B model's cache at TP 1 with room to spare
+    #: (80 layers with K and V apart: 160 regions of up to 104,857 blocks); each descriptor
+    #: passes ~70 bytes through memory while a list is prepared.
+    max_peer_descriptors: int = 1 << 24
+    #: Makes the engine's NIXL agents (``aionixl._agent.Agent``): None is NIXL's own. A test
+    #: seam: the tests' in-memory fake agent comes in here. Not sent to remote engines.
+    agent_factory: AgentFactory | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_bools({"nixl_progress_thread": self.nixl_progress_thread,
@@ -122,11 +135,14 @@ class Tuning:
                      "coalesce_max_blocks": self.coalesce_max_blocks,
                      "coalesce_max_call_bytes": self.coalesce_max_call_bytes,
                      "push_chunk_bytes": self.push_chunk_bytes,
-                     "max_pushes_per_peer": self.max_pushes_per_peer}, 1)
+                     "max_pushes_per_peer": self.max_pushes_per_peer,
+                     "max_peer_descriptors": self.max_peer_descriptors}, 1)
         _check_ints({"inline_polls": self.inline_polls}, 0)
         if self.coalesce_max_blocks > MAX_COALESCE_BLOCKS:
             raise ValueError(f"coalesce_max_blocks must be at most {MAX_COALESCE_BLOCKS}, "
                              f"got {self.coalesce_max_blocks!r}")
+        if self.agent_factory is not None and not callable(self.agent_factory):
+            raise ValueError(f"agent_factory must be callable or None, got {self.agent_factory!r}")
         window = self.coalesce_window
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
             raise ValueError(f"coalesce_window must be a finite number of seconds >= 0, got {window!r}")

@@ -40,7 +40,7 @@ from ._inflight import InFlightTable
 from ._leases import Lease, LeaseTable
 from ._lifecycle import CLOSED, CLOSING, DRAINING, NEW, OPEN, Lifecycle, LocalSide
 from ._metrics import STATS_KEYS, EngineMetrics, TransferMetrics
-from ._nixl import Agent
+from ._nixl import NixlAgent
 from ._notifications import Mailbox, Notification
 from ._parking import loop_tools
 from ._parts import BlockPart
@@ -129,6 +129,7 @@ class Engine:
                                           config.max_pending_notification_bytes, mailbox_full)
         host = host_facts()
         peers = self._peers = PeerTable(local, life, noisy, read_mode=config.read_mode, host=host,
+                                        max_descriptors=tuning.max_peer_descriptors,
                                         on_admit=self._wake_drainer, on_drop=self._peer_dropped)
         table = self._inflight = InFlightTable(local, peers.evict, self._wake_drainer)
         metrics = self._transfer_metrics = TransferMetrics(TransferResult, local.bytes_per_block,
@@ -148,7 +149,7 @@ class Engine:
         self._push = Pusher(local, life, config, tuning, peers, table, deliver, noisy, refusals,
                             self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, tuning, peers, noisy, host, self._wake_drainer)
-        self._vllm = VllmConnector(local, life, peers, config)
+        self._vllm = VllmConnector(local, life, peers, config, tuning.max_peer_descriptors)
         self._vllm_server = VllmServer(local, config, tuning, noisy, self._wake_drainer, self._relayed, host)
         self._transfers = Transfers(local, life, config, tuning, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)
@@ -379,8 +380,9 @@ class Engine:
 
     def _open_nixl(self) -> None:
         cfg, tuning, local = self._config, self._tuning, self._local
-        agent = local.agent = Agent(self._name, cfg.backends, tuning.nixl_progress_thread,
-                                    tuning.nixl_telemetry)
+        make = tuning.agent_factory or NixlAgent
+        agent = local.agent = make(self._name, cfg.backends, tuning.nixl_progress_thread,
+                                   tuning.nixl_telemetry)
         agent.register(registration_spans(self._regions), local.mem_type)
         local.dlist = agent.prep_dlist(None, block_descriptors(self._regions), local.mem_type)
         if cfg.push_staging_bytes and local.mem_type == "DRAM":

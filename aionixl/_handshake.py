@@ -118,7 +118,8 @@ class Handshakes:
             if hello.name == name:
                 return proto.Reject(version, "self", f"{proto.clip(hello.name)!r} is this engine's own name")
             proto.check_peer(self._regions, self._compat, self._compat_hash, hello,
-                             equal_geometry=self._config.require_equal_geometry)
+                             equal_geometry=self._config.require_equal_geometry,
+                             max_descriptors=self._tuning.max_peer_descriptors)
             self._peers.admit(hello.name, hello.agent_metadata, hello.regions, None, hello.features,
                               proto.clip_host(hello.host), hello.staging)
         except proto.ProtocolError as exc:
@@ -257,7 +258,8 @@ class Handshakes:
             raise RefusedError(f"{address} is this engine ({name!r}) itself")
         try:
             proto.check_peer(self._regions, self._compat, self._compat_hash, reply,
-                             equal_geometry=self._config.require_equal_geometry)
+                             equal_geometry=self._config.require_equal_geometry,
+                             max_descriptors=self._tuning.max_peer_descriptors)
         except proto.Incompatible as exc:
             raise IncompatiblePeerError(f"peer {reply.name!r} at {address}: {exc}",
                                         field=exc.field) from None

@@ -17,10 +17,10 @@ from contextlib import suppress
 
 import anyio
 
+from ._agent import DONE, ERR, PROC, Agent, Status
 from ._checks import deadline
 from ._errors import AionixlError, PeerDisconnectedError, TransferError, TransferTimeoutError
 from ._lifecycle import LocalSide
-from ._nixl import DONE, ERR, PROC, Agent, Status
 from ._parking import LoopTools, NativeEvent
 from ._peer import Peer
 

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import anyio
 import zmq
 
+from ._agent import Agent
 from ._errors import EngineClosedError
-from ._nixl import Agent
 from ._regions import Region, region_offsets
 from ._staging import Staging
 

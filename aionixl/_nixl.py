@@ -33,6 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ._agent import DONE, ERR, NO_HANDLE, PROC, Indices, Status
 from ._errors import (
     AionixlError,
     HandshakeError,
@@ -119,12 +120,6 @@ def find_bindings() -> ModuleType:
 
 _bind: Any = find_bindings()
 
-DONE: Literal[0] = 0
-PROC: Literal[1] = 1
-ERR: Literal[2] = 2
-Status = Literal[0, 1, 2]
-NO_HANDLE = -1
-Indices = npt.NDArray[np.int32] | list[int]
 
 _SUCCESS = _bind.NIXL_SUCCESS
 _IN_PROG = _bind.NIXL_IN_PROG
@@ -184,8 +179,8 @@ def metadata_agent_name(metadata: bytes) -> str | None:
         return None
 
 
-class Agent:
-    """A NIXL agent plus the account of what it holds.
+class NixlAgent:
+    """A NIXL agent plus the account of what it holds (:class:`aionixl._agent.Agent`).
 
     The counters are what ``Engine.live_resources()`` reports; they move only when a NIXL
     call succeeded, so a failed release still shows as live.

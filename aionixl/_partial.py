@@ -22,12 +22,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from ._agent import DONE, NO_HANDLE, Indices
 from ._checks import check_timeout
 from ._coalesce import Coalescer
 from ._errors import TransferError
 from ._lifecycle import LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, NO_HANDLE, Indices
 from ._parts import BlockPart, PartPlan, plan_parts
 from ._peer import Peer
 from ._peers import PeerTable
@@ -73,7 +73,7 @@ class PartPath:
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
-        if peer._push and op == "read":  # the peer writes the parts into ours
+        if peer.link.push and op == "read":  # the peer writes the parts into ours
             plan = plan_parts([r.block_bytes for r in self._local.regions], local_part,
                               list(peer.bytes_per_block), remote_part)
             if PARTS_FEATURE not in peer.features:

@@ -204,10 +204,13 @@ def _region_descriptors(base: int, stride: int, num_blocks: int, device: int,
     return rows.reshape(-1, 3)
 
 
-def check_list_size(num_blocks: int, plan_side: Sequence[Segments], where: str) -> None:
-    """Refuse a list whose indices would not fit in int32."""
-    if num_blocks * sum(len(s) for s in plan_side) > _INT32_MAX:
-        raise ValueError(f"{where}: these parts need more descriptors than fit in int32 indices")
+def check_list_size(num_blocks: int, plan_side: Sequence[Segments], where: str,
+                    limit: int = _INT32_MAX) -> None:
+    """Refuse a list of more than ``limit`` descriptors (at most what int32 indices reach)."""
+    rows = num_blocks * sum(len(s) for s in plan_side)
+    if rows > min(limit, _INT32_MAX):
+        raise ValueError(f"{where}: these parts need {rows} descriptors, more than "
+                         f"{min(limit, _INT32_MAX)} (Tuning.max_peer_descriptors, int32 indices)")
 
 
 #: Descriptor indices in either form NIXL's wrapper takes (``aionixl._nixl.Indices``; this

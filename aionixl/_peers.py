@@ -26,10 +26,10 @@ from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import EVICTION_CAUSES, eviction_cause
 from ._nixl import metadata_agent_name
 from ._parts import BlockPart, PartLists, check_list_size, part_descriptors, plan_parts
-from ._peer import Peer, RemoteSlots
+from ._peer import Peer, PeerLink, RemoteSlots
 from ._ratelimit import RateLimitedLog
 from ._regions import block_descriptors
-from ._wire import FEATURES, GOODBYE, GOODBYE_BYTES, PROBE, WireError, goodbye, incarnation
+from ._wire import FEATURES, GOODBYE, GOODBYE_BYTES, PROBE, WireError, goodbye
 
 log = logging.getLogger("aionixl")
 
@@ -46,15 +46,17 @@ class PeerTable:
     """The live peers of one engine, by name and by address, and their NIXL state."""
 
     def __init__(self, local: LocalSide, life: Lifecycle, noisy: RateLimitedLog, *, read_mode: str,
-                 host: Mapping[str, str], on_admit: Callable[[], None], on_drop: OnDrop) -> None:
+                 host: Mapping[str, str], max_descriptors: int, on_admit: Callable[[], None],
+                 on_drop: OnDrop) -> None:
         self._local = local
         self._life = life
         self._read_mode = read_mode  # EngineConfig.read_mode
         self._host = host  # where this engine runs (_hostfacts.host_facts)
+        self._max_descriptors = max_descriptors  # in one list of a peer's (Tuning)
         self.by_name: dict[str, Peer] = {}
         self.by_address: dict[str, Peer] = {}
         #: Peers evicted to fence a read, by address: a handshake with the same engine
-        #: there brings the same Peer object back (see Peer._revive).
+        #: there brings the same Peer object back, with a new link (see PeerLink.revive).
         self.revivable: dict[str, Peer] = {}
         self.evicted = 0
         self.evictions = dict.fromkeys(EVICTION_CAUSES, 0)  # by cause; sums to evicted
@@ -70,16 +72,17 @@ class PeerTable:
 
     def own(self, peer: object) -> Peer:
         """``peer`` if it is one of ours (live or not); ValueError otherwise."""
-        if not isinstance(peer, Peer) or peer._owner is not self:
+        if not isinstance(peer, Peer) or peer.link.owner is not self:
             raise ValueError(f"unknown peer {peer!r}: not a Peer of this engine")
         return peer
 
     def live(self, peer: object) -> Peer:
         """``peer`` if transfers may use it; the error its caller should see otherwise."""
         p = self.own(peer)
-        if p._lost is not None:
-            raise PeerDisconnectedError(f"peer {p.name!r} was evicted after a failure ({p._lost}); "
-                                        "connect() to it again") from p._lost
+        lost = p.link.lost
+        if lost is not None:
+            raise PeerDisconnectedError(f"peer {p.name!r} was evicted after a failure ({lost}); "
+                                        "connect() to it again") from lost
         if not p.connected:
             raise ValueError(f"unknown peer {p.name!r}: it was disconnected")
         return p
@@ -104,7 +107,7 @@ class PeerTable:
         agent = self._local.agent
         assert agent is not None
         existing = self.by_name.get(name)
-        if existing is not None and existing._metadata == metadata:
+        if existing is not None and existing.link.metadata == metadata:
             if address is not None and existing.address is None:
                 existing.address = address
                 self.by_address[address] = existing
@@ -139,16 +142,18 @@ class PeerTable:
                     _attempt(agent.release_dlist, prepared, [])
             _attempt(agent.remove_remote, name, [])
             raise
+        unequal = [r.block_bytes for r in remote] != [r.block_bytes for r in self._local.regions]
+        link = PeerLink(self, remote, dlist, metadata, push=mode == "push", unequal=unequal,
+                        staging=RemoteSlots(slots, slot_dlist) if slots else None)
         old = self.revivable.pop(address, None) if address is not None else None
-        if old is not None and old.name == name and old._incarnation == incarnation(metadata):
-            old.__init__(self, name, address, remote, dlist, metadata, known, host, mode)  # type: ignore[misc]
+        if old is not None and old.name == name and old.link.incarnation == link.incarnation:
+            # The same process, evicted only to fence a read: the same Peer, a new link.
+            old.link, old.features, old.host, old.read_mode = link, known, dict(host or {}), mode
             peer = old
         else:
-            peer = Peer(self, name, address, remote, dlist, metadata, known, host, mode)
-        peer._unequal = [r.block_bytes for r in remote] != [r.block_bytes for r in self._local.regions]
-        peer._staging = RemoteSlots(slots, slot_dlist) if slots else None
+            peer = Peer(name, address, remote, link, known, host, mode)
         if self._local.staging is not None:  # once admitted: a refused impostor frees nothing
-            self._local.staging.admitted(name, peer._incarnation)
+            self._local.staging.admitted(name, link.incarnation)
         self.by_name[name] = peer
         if address is not None:
             self.by_address[address] = peer
@@ -160,7 +165,7 @@ class PeerTable:
         """Admit and connect a peer that is not an aionixl engine (a vLLM prefill, checked by
         the caller): it gets no probe and no goodbye."""
         peer = self.admit(name, metadata, regions, address)
-        peer._foreign = True
+        peer.link.foreign = True
         agent = self._local.agent
         assert agent is not None
         try:
@@ -180,20 +185,21 @@ class PeerTable:
         ``ValueError`` (before anything is prepared) for parts that do not fit the two
         geometries (see :func:`aionixl._parts.plan_parts`) or one pair too many."""
         key = (local_part, remote_part, staged)
-        lists = peer._parts.get(key)
+        link = peer.link
+        lists = link.parts.get(key)
         if lists is not None:
             return lists
         local = self._local
         plan = plan_parts([r.block_bytes for r in local.regions], local_part,
                           [r.block_bytes for r in peer.regions], remote_part)
-        if len(peer._parts) >= MAX_PART_LAYOUTS:
+        if len(link.parts) >= MAX_PART_LAYOUTS:
             raise ValueError(f"peer {peer.name!r} already has descriptor lists for "
                              f"{MAX_PART_LAYOUTS} pairs of block parts; no more are prepared")
-        target = peer._staging if staged else None
+        target = link.staging if staged else None
         remote, remote_blocks = (peer.regions, peer.num_blocks) if target is None \
             else (target.regions, target.num_blocks)
         check_list_size(local.num_blocks, plan.local, "local_part")
-        check_list_size(remote_blocks, plan.remote, "remote_part")
+        check_list_size(remote_blocks, plan.remote, "remote_part", self._max_descriptors)
         agent = local.agent
         assert agent is not None
         mine_descs = part_descriptors(local.regions, plan.local)
@@ -204,7 +210,7 @@ class PeerTable:
         except BaseException:
             _attempt(agent.release_dlist, mine, [])
             raise
-        lists = peer._parts[key] = PartLists(plan, mine, local.num_blocks, theirs, remote_blocks)
+        lists = link.parts[key] = PartLists(plan, mine, local.num_blocks, theirs, remote_blocks)
         return lists
 
     # ---- losing peers -------------------------------------------------------------------
@@ -216,11 +222,11 @@ class PeerTable:
         """
         error = PeerDisconnectedError(f"peer {peer.name!r} is unreachable and was evicted: {cause}")
         error.__cause__ = cause
-        if peer._connected:
+        if peer.link.connected:
             why = why or eviction_cause(cause)
             self._noisy.log(logging.WARNING, "evict", "evicting peer %r (%s): %s", peer.name, why, cause,
                             extra={"peer": peer.name, "cause": why, "error": str(cause)})
-            peer._lost = cause
+            peer.link.lost = cause
             self.evicted += 1
             self.evictions[why] += 1
             self.drop(peer, None, error)
@@ -231,7 +237,7 @@ class PeerTable:
         over (the peer itself may be fine: the next transfer with it reconnects)."""
         if peer.connected:
             self.fenced_evictions += 1
-            peer._revive = True
+            peer.link.revive = True
             self.evict(peer, TransferError(reason))
 
     def drop(self, peer: Peer, problems: list[str] | None, error: AionixlError | None = None) -> None:
@@ -240,10 +246,11 @@ class PeerTable:
         With ``error`` the peer was lost (not disconnected on purpose): its transfers fail
         with it, and later calls with this Peer raise PeerDisconnectedError.
         """
-        peer._connected = False
-        if error is not None and peer._lost is None:
-            peer._lost = error
-        if peer._revive and peer.address is not None and not peer._foreign:
+        link = peer.link
+        link.connected = False
+        if error is not None and link.lost is None:
+            link.lost = error
+        if link.revive and peer.address is not None and not link.foreign:
             self.revivable[peer.address] = peer
         if self.by_name.get(peer.name) is peer:
             del self.by_name[peer.name]
@@ -254,13 +261,13 @@ class PeerTable:
             return
         self._on_drop(peer, error or PeerDisconnectedError(f"peer {peer.name!r} was disconnected"))
         sink: list[str] = [] if problems is None else problems
-        for lists in peer._parts.values():
+        for lists in link.parts.values():
             _attempt(agent.release_dlist, lists.local, sink)
             _attempt(agent.release_dlist, lists.remote, sink)
-        peer._parts.clear()
-        if peer._staging is not None:
-            _attempt(agent.release_dlist, peer._staging.dlist, sink)
-        _attempt(agent.release_dlist, peer._dlist, sink)
+        link.parts.clear()
+        if link.staging is not None:
+            _attempt(agent.release_dlist, link.staging.dlist, sink)
+        _attempt(agent.release_dlist, link.dlist, sink)
         _attempt(agent.remove_remote, peer.name, sink)
         if problems is None and sink:
             self._noisy.log(logging.WARNING, "drop", "dropping peer %r: %s", peer.name, "; ".join(sink))
@@ -282,7 +289,7 @@ class PeerTable:
         peer = self.by_name.get(name)
         # Only for the incarnation that said it: a restarted peer of the same name may
         # have been admitted before the old one's goodbye was read.
-        if peer is not None and goodbye(peer._metadata) == message:
+        if peer is not None and goodbye(peer.link.metadata) == message:
             log.info("peer %r closed", name)
             self.drop(peer, None, PeerDisconnectedError(f"peer {name!r} closed its engine"))
 
@@ -291,7 +298,7 @@ class PeerTable:
         agent = self._local.agent
         assert agent is not None
         for peer in list(self.by_name.values()):
-            if peer._foreign:
+            if peer.link.foreign:
                 continue
             try:
                 agent.send_notif(peer.name, PROBE)
@@ -307,7 +314,7 @@ class PeerTable:
             return
         message = goodbye(self._local.metadata)
         for peer in self.by_name.values():
-            if peer._foreign:
+            if peer.link.foreign:
                 continue
             with suppress(AionixlError):
                 agent.send_notif(peer.name, message)

@@ -20,12 +20,12 @@ from typing import NoReturn
 import anyio
 import anyio.lowlevel
 
+from ._agent import DONE, NO_HANDLE, Indices, Status
 from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._inflight import InFlightTable
 from ._lifecycle import CLOSED, CLOSING, Lifecycle, LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, NO_HANDLE, Indices, Status
 from ._parking import LoopTools, no_task
 from ._parts import PartLists
 from ._peer import Peer
@@ -140,7 +140,7 @@ class DirectPath:
         try:
             handle, status = agent.start_xfer(
                 op, self._local.dlist if parts is None else parts.local, local_idx,
-                peer._dlist if parts is None else parts.remote, remote_idx, message,
+                peer.link.dlist if parts is None else parts.remote, remote_idx, message,
                 self._inline_polls)
         except AionixlError as exc:
             self.post_failed(exc, peer, op, nblocks, started)
@@ -163,7 +163,7 @@ class DirectPath:
             await self._table.finish(peer, handle, status, limit)
         except BaseException as exc:
             self._metrics.failed(exc, peer, op, nblocks, started)
-            if op == "read" and peer._connected:
+            if op == "read" and peer.link.connected:
                 await self.fence(peer, local_idx, remote_idx, parts)  # no late bytes
             raise
         agent = self._local.agent
@@ -194,7 +194,7 @@ class DirectPath:
             try:
                 handle, status = agent.start_xfer(
                     "read", self._local.dlist if parts is None else parts.local, [int(local_idx[0])],
-                    peer._dlist if parts is None else parts.remote, [int(remote_idx[0])], b"", 1)
+                    peer.link.dlist if parts is None else parts.remote, [int(remote_idx[0])], b"", 1)
                 if status is not DONE or handle != NO_HANDLE:
                     await self._table.finish(peer, handle, status, limit, ended)
             except TransferTimeoutError:

@@ -273,15 +273,20 @@ def check_compatible(
     their_compat: Mapping[str, str],
     *,
     equal_geometry: bool = False,
+    max_descriptors: int | None = None,
 ) -> None:
     """Raise ``Incompatible`` naming the first field that differs: the region count, the
     compat keys, and with ``equal_geometry`` the bytes per block of each region (peers
-    whose blocks differ in size move parts of blocks, ``aionixl.BlockPart``)."""
+    whose blocks differ in size move parts of blocks, ``aionixl.BlockPart``); or a peer
+    whose blocks would take more than ``max_descriptors`` descriptors (regions x blocks)
+    to describe, checked before anything is allocated for it."""
     if len(ours) != len(theirs):
         raise Incompatible(
             f"region count differs: we have {len(ours)}, the peer has {len(theirs)}",
             "region_count",
         )
+    if max_descriptors is not None:
+        check_descriptors(theirs, max_descriptors, "num_blocks", "its blocks")
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         if equal_geometry and a.block_bytes != b.block_bytes:
             raise Incompatible(
@@ -304,14 +309,25 @@ def check_hash(expected: str, got: str) -> None:
         raise Incompatible("compatibility hash differs", "compat_hash")
 
 
+def check_descriptors(regions: Sequence[RegionInfo], limit: int, field: str, what: str) -> None:
+    """``Incompatible`` naming ``field`` when ``regions`` take more than ``limit``
+    descriptors (one per region and block) to describe."""
+    if regions and len(regions) * regions[0].num_blocks > limit:
+        raise Incompatible(
+            f"{what} would take {len(regions)} x {regions[0].num_blocks} descriptors, more than "
+            f"the {limit} this engine prepares for a peer (Tuning.max_peer_descriptors)", field)
+
+
 def check_peer(ours: Sequence[Region], our_compat: Mapping[str, str], our_hash: str,
-               peer: _EngineInfo, *, equal_geometry: bool) -> None:
+               peer: _EngineInfo, *, equal_geometry: bool, max_descriptors: int) -> None:
     """Everything a handshake checks of a peer's ``Hello`` or ``Welcome``
-    (:func:`check_compatible`), and its compat hash where the hash covers the same
-    inputs: it hashes block sizes, so it differs for a peer whose blocks differ, which
-    is admitted unless ``equal_geometry`` (ours or the peer's) asks for equal ones."""
+    (:func:`check_compatible`, the descriptors its staging slots take too), and its compat
+    hash where the hash covers the same inputs: it hashes block sizes, so it differs for a
+    peer whose blocks differ, which is admitted unless ``equal_geometry`` (ours or the
+    peer's) asks for equal ones."""
     check_compatible(ours, our_compat, peer.regions, peer.compat,
-                     equal_geometry=equal_geometry or peer.equal_geometry)
+                     equal_geometry=equal_geometry or peer.equal_geometry, max_descriptors=max_descriptors)
+    check_descriptors(peer.staging, max_descriptors, "staging", "its staging slots")
     if [r.block_bytes for r in ours] == [r.block_bytes for r in peer.regions]:
         check_hash(our_hash, peer.compat_hash)
 

@@ -56,6 +56,7 @@ Where a one-sided GET is native the engine reads with it instead; the choice is
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import math
@@ -67,6 +68,7 @@ import anyio
 import anyio.abc
 import numpy as np
 
+from ._agent import DONE, NO_HANDLE, PROC, Indices
 from ._config import EngineConfig, Tuning
 from ._errors import (
     AionixlError,
@@ -76,7 +78,6 @@ from ._errors import (
 )
 from ._inflight import InFlight, InFlightTable
 from ._lifecycle import Lifecycle, LocalSide
-from ._nixl import DONE, NO_HANDLE, PROC, Indices
 from ._notifications import Notification
 from ._parts import BlockPart, PartLists
 from ._peer import Peer
@@ -117,7 +118,19 @@ def _part(wire: tuple[int, int, int] | None) -> BlockPart | None:
 
 # ---- the component ----------------------------------------------------------------------
 
-_OPEN, _DONE, _GONE, _FAILED = 0, 1, 2, 3
+class ReadState(enum.Enum):
+    """Where a push read this engine asked for stands. It starts ``OPEN`` and moves once
+    (``_Read.settle``) to how the server said it ended: ``DONE`` (PDONE: every byte landed),
+    ``GONE`` (PGONE: stopped, nothing of it moving), or ``FAILED`` (PERR: refused or given up
+    with nothing outstanding; PLOST: bytes of it may still land; or its peer was dropped).
+    A close that cannot tell a server finds it ``GONE`` when its connection is gone."""
+
+    OPEN = "open"
+    DONE = "done"
+    GONE = "gone"
+    FAILED = "failed"
+
+
 
 #: How long a push chunk still moving after its read's deadline is waited for, so that
 #: its end can be confirmed to the reader (which reuses its staging slots then).
@@ -187,18 +200,18 @@ class _Read:
     def __init__(self, peer: Peer, rid: int, staged: bool = False) -> None:
         self.peer = peer
         #: The server's process when asked (a revived Peer object may be its successor's).
-        self.server = peer._incarnation
+        self.server = peer.link.incarnation
         self.rid = rid
         self.staged = staged  # into our staging slots, not our blocks
         self.sent = False  # the request left: the server may write
-        self.state = _OPEN
+        self.state = ReadState.OPEN
         #: The server said nothing more of it will land (PDONE, PGONE or PERR).
         self.confirmed = False
         self.error: AionixlError | None = None
         self.event = anyio.Event()
 
-    def settle(self, state: int, error: AionixlError | None = None) -> None:
-        if self.state == _OPEN:
+    def settle(self, state: ReadState, error: AionixlError | None = None) -> None:
+        if self.state == ReadState.OPEN:
             self.state = state
             if error is not None and self.error is None:
                 self.error = error
@@ -215,7 +228,7 @@ class _Job:
                  parts: PartLists | None, dlist: int, deadline: float, notify: bytes) -> None:
         self.peer = peer
         #: The reader's incarnation: a revived Peer object may be another process's.
-        self.reader = peer._incarnation
+        self.reader = peer.link.incarnation
         self.rid = rid
         self.chunks = chunks
         self.parts = parts  # the lists the chunks index, for parts of blocks; else whole blocks
@@ -393,18 +406,18 @@ class Pusher:
             with anyio.fail_after(left if math.isfinite(left) else None):
                 await rec.event.wait()
         except BaseException as exc:
-            if rec.state == _OPEN and not self._closing:
+            if rec.state == ReadState.OPEN and not self._closing:
                 with anyio.CancelScope(shield=True):
                     await self._fence(rec)
             await self._until_nothing_lands(rec)
             if not isinstance(exc, TimeoutError):
                 raise
-            if rec.state != _DONE:  # (data that landed just as time ran out still counts)
+            if rec.state != ReadState.DONE:  # (data that landed just as time ran out still counts)
                 raise self._timed_out(peer, limit) from None
         finally:
             if not self._closing:  # a closing engine fences what is left in close()
                 self.reads.pop(rid, None)
-        if rec.state != _DONE:
+        if rec.state != ReadState.DONE:
             await self._until_nothing_lands(rec)
             error = rec.error or TransferError(f"push read from {peer.name!r} ended without data")
             raise type(error)(str(error)) from error.__cause__
@@ -432,23 +445,23 @@ class Pusher:
         limit = self._tuning.push_cancel_timeout
         try:
             with anyio.move_on_after(limit):
-                while rec.state == _OPEN and not self._closing:
+                while rec.state == ReadState.OPEN and not self._closing:
                     await rec.event.wait()
-                    if rec.state == _OPEN:
+                    if rec.state == ReadState.OPEN:
                         rec.event = anyio.Event()
         except BaseException:
             # A cancellation the shield does not hold back (asyncio's own Task.cancel())
             # cut the wait short: unconfirmed, like one that timed out.
-            if rec.state == _OPEN and peer.connected and not self._closing:
+            if rec.state == ReadState.OPEN and peer.connected and not self._closing:
                 self._peers.evict_unfenced(peer, "a cancelled read's wait for the server to confirm "
                                                  "it stopped was cancelled")
             raise
-        if rec.state == _OPEN and peer.connected and not self._closing:
+        if rec.state == ReadState.OPEN and peer.connected and not self._closing:
             self._peers.evict_unfenced(peer, f"a cancelled read was not confirmed stopped within {limit} s")
 
     async def stop_peer(self, peer: Peer) -> None:
         """Before disconnecting: cancel our reads from ``peer`` and stop serving it (bounded)."""
-        ours = [r for r in self.reads.values() if r.peer is peer and r.state == _OPEN]
+        ours = [r for r in self.reads.values() if r.peer is peer and r.state == ReadState.OPEN]
         for rec in ours:  # what their callers get once the server confirmed
             rec.error = PeerDisconnectedError(f"peer {peer.name!r} was disconnected")
         served = [j for j in self.jobs.values() if j.peer is peer]
@@ -471,16 +484,16 @@ class Pusher:
         if not message.startswith(PUSH_FAMILY):
             return False
         if message.startswith(PDONE):
-            self._settle(name, rid_payload(message[len(PDONE):], "PDONE"), _DONE)
+            self._settle(name, rid_payload(message[len(PDONE):], "PDONE"), ReadState.DONE)
         elif message.startswith(PGONE):
-            self._settle(name, rid_payload(message[len(PGONE):], "PGONE"), _GONE)
+            self._settle(name, rid_payload(message[len(PGONE):], "PGONE"), ReadState.GONE)
         elif message.startswith((PERR, PLOST)):
             lost = message.startswith(PLOST)
             err = decode_push_error(memoryview(message)[len(PLOST if lost else PERR):])
             rec = self.reads.get(err.rid)
             if rec is not None and rec.peer.name == name:
                 rec.confirmed = not lost  # lost: what it was landing in stays out of use
-                rec.settle(_FAILED, TransferError(
+                rec.settle(ReadState.FAILED, TransferError(
                     f"peer {name!r} lost the read, and bytes of it may still land: {err.reason[:300]}"
                     if lost else f"peer {name!r} refused or stopped the read: {err.reason[:300]}"))
             elif not lost and self._local.staging is not None:
@@ -491,7 +504,7 @@ class Pusher:
             self._serve(name, memoryview(message)[len(PUSH):])
         return True
 
-    def _settle(self, name: str, rid: int, state: int) -> None:
+    def _settle(self, name: str, rid: int, state: ReadState) -> None:
         rec = self.reads.get(rid)
         if rec is not None and rec.peer.name == name:
             rec.confirmed = True
@@ -508,9 +521,9 @@ class Pusher:
             job.wake.set()
             return
         peer = self._peers.by_name.get(name)
-        if peer is None or (sender and sender != peer._incarnation):
+        if peer is None or (sender and sender != peer.link.incarnation):
             return  # not from the process we know by that name: nothing of ours to tell it
-        if self._lost.holds(name, peer._incarnation, rid):  # its bytes may still land: never "gone"
+        if self._lost.holds(name, peer.link.incarnation, rid):  # its bytes may still land: never "gone"
             self._send(peer, push_error(rid, "a chunk of it ended without completing", lost=True))
         else:  # nothing of it is under way: say so at once
             self._send(peer, PGONE + rid_bytes(rid))
@@ -544,12 +557,12 @@ class Pusher:
         if peer is None:
             raise WireError("a push request from an agent that is not an admitted peer")
         # The reader names at most its blocks (or staging slots), each once.
-        ids = max(peer.num_blocks, peer._staging.num_blocks if peer._staging is not None else 0)
+        ids = max(peer.num_blocks, peer.link.staging.num_blocks if peer.link.staging is not None else 0)
         try:
             req = decode_push_request(payload, ids)
         except WireError as exc:
             return self._refuse(peer, 0, str(exc), malformed=True)
-        if req.reader and req.reader != peer._incarnation:
+        if req.reader and req.reader != peer.link.incarnation:
             # From an earlier process of that name, delivered late: serving it would write
             # into the new one's staging slots, refusing it would fail the new one's read of
             # that id.
@@ -592,11 +605,11 @@ class Pusher:
         dst = np.frombuffer(req.dst, dtype="<i4").astype(np.int32)
         src = np.frombuffer(req.src, dtype="<i4").astype(np.int32)
         own_blocks = self._local.num_blocks
-        slots = peer._staging
+        slots = peer.link.staging
         if req.staged and slots is None:
             raise ValueError("a read into staging slots, but the reader announced none")
         dst_blocks, dst_offsets, dst_dlist = (slots.num_blocks, slots.offsets, slots.dlist) \
-            if req.staged and slots is not None else (peer.num_blocks, peer._offsets, peer._dlist)
+            if req.staged and slots is not None else (peer.num_blocks, peer.link.offsets, peer.link.dlist)
         if dst.min() < 0 or dst.max() >= dst_blocks:
             raise ValueError(f"destination block id out of range [0, {dst_blocks})")
         if src.min() < 0 or src.max() >= own_blocks:
@@ -609,7 +622,7 @@ class Pusher:
             per_chunk = max(1, self._tuning.push_chunk_bytes // parts.nbytes)
             return [parts.indices(src[i:i + per_chunk], dst[i:i + per_chunk])
                     for i in range(0, dst.size, per_chunk)], parts, -1
-        if peer._unequal:
+        if peer.link.unequal:
             raise ValueError(f"whole blocks cannot be pushed: block sizes differ (ours "
                              f"{[r.block_bytes for r in self._local.regions]}, the reader's "
                              f"{list(peer.bytes_per_block)})")
@@ -695,7 +708,7 @@ class Pusher:
         admitted since under that name if it is the same process; not to another process
         (a revived Peer object may be one)."""
         peer = job.peer if job.peer.connected else self._peers.by_name.get(job.peer.name)
-        if peer is not None and peer._incarnation == job.reader:
+        if peer is not None and peer.link.incarnation == job.reader:
             self._send(peer, message)
 
     def _lose(self, job: _Job, reason: str) -> None:
@@ -704,10 +717,10 @@ class Pusher:
         self.lost += 1
         name = job.peer.name
         current = self._peers.by_name.get(name)
-        if current is None or current._incarnation == job.reader:  # else its cancels are ignored
+        if current is None or current.link.incarnation == job.reader:  # else its cancels are ignored
             self._lost.add(name, job.reader, job.rid)
         if current is not None:
-            self._lost.keep_only(name, current._incarnation)
+            self._lost.keep_only(name, current.link.incarnation)
         self._tell(job, push_error(job.rid, reason, lost=True))
 
     # ---- peers lost, engine closing -----------------------------------------------------
@@ -716,7 +729,7 @@ class Pusher:
         """The peer was dropped: our reads from it fail; pushes to it stop."""
         for rec in self.reads.values():
             if rec.peer is peer:
-                rec.settle(_FAILED, error)
+                rec.settle(ReadState.FAILED, error)
         for job in self.jobs.values():
             if job.peer is peer:
                 job.cancelled = True
@@ -730,7 +743,7 @@ class Pusher:
         if self._local.staging is not None:
             self._local.staging.close()
         for rec in self.reads.values():
-            if rec.state == _OPEN:
+            if rec.state == ReadState.OPEN:
                 rec.error = error
 
     def fail_all(self) -> None:
@@ -747,14 +760,14 @@ class Pusher:
         agent = self._local.agent
         if agent is None:
             return
-        open_reads = [r for r in self.reads.values() if r.state == _OPEN and r.peer.connected]
+        open_reads = [r for r in self.reads.values() if r.state == ReadState.OPEN and r.peer.connected]
         for rec in open_reads:
             try:
                 agent.send_notif(rec.peer.name, self._cancel_message(rec.rid))
             except AionixlError:
-                rec.state = _GONE  # its connection is gone: nothing can land
+                rec.state = ReadState.GONE  # its connection is gone: nothing can land
         end = min(deadline_at, anyio.current_time() + self._tuning.push_cancel_timeout)
-        while any(r.state == _OPEN for r in open_reads) and anyio.current_time() < end:
+        while any(r.state == ReadState.OPEN for r in open_reads) and anyio.current_time() < end:
             try:
                 notifs = agent.get_notifs()
             except AionixlError:

@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from ._agent import DONE, NO_HANDLE, Indices
 from ._checks import check_timeout
 from ._coalesce import Coalescer, with_room
 from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, PeerDisconnectedError, TransferTimeoutError
 from ._lifecycle import Lifecycle, LocalSide
 from ._metrics import TransferMetrics
-from ._nixl import DONE, NO_HANDLE, Indices
 from ._partial import PartPath
 from ._parts import BlockPart
 from ._peer import Peer
@@ -103,11 +103,11 @@ class Transfers:
             await self._turns.take_turn()  # before any check: the peer may change meanwhile
         if not self._life.usable:
             self._life.check_open()
-        if type(peer) is not Peer or peer._owner is not self._peers or not peer._connected:
+        if type(peer) is not Peer or peer.link.owner is not self._peers or not peer.link.connected:
             peer, timeout = await self._revive(peer, timeout)
         if op != "read" and op != "write":
             raise ValueError(f"op must be 'read' or 'write', got {op!r}")
-        if local_part is not None or remote_part is not None or peer._unequal:
+        if local_part is not None or remote_part is not None or peer.link.unequal:
             return await self._parts.transfer(peer, local_blocks, remote_blocks, op, notify, timeout,
                                               local_part, remote_part)
         one = self._one_block_indices(peer, local_blocks, remote_blocks)
@@ -150,7 +150,7 @@ class Transfers:
         message = b"" if notify is None else user_message(notify, "notify")
         if timeout is not None:
             check_timeout(timeout, "timeout")
-        if peer._push and op == "read":  # the peer writes the blocks into ours
+        if peer.link.push and op == "read":  # the peer writes the blocks into ours
             return await self._push_read(peer, local_idx, remote_idx, nblocks, message, timeout)
         if coalescer.owing:
             await coalescer.pay_owed_cancel()
@@ -166,8 +166,8 @@ class Transfers:
         agent = self._local.agent
         assert agent is not None
         try:
-            handle, status = agent.start_xfer(op, self._local.dlist, local_idx, peer._dlist, remote_idx,
-                                              message, self._inline_polls)
+            handle, status = agent.start_xfer(op, self._local.dlist, local_idx, peer.link.dlist,
+                                              remote_idx, message, self._inline_polls)
         except AionixlError as exc:
             self._direct.post_failed(exc, peer, op, nblocks, started)
         if status is not DONE or handle != NO_HANDLE:
@@ -188,7 +188,7 @@ class Transfers:
         peer's own connect to us admitted meanwhile) and with what the reconnect left of its
         deadline, if it is the same process; any other raises the error its caller should
         see."""
-        if type(peer) is Peer and peer._owner is self._peers and peer._revive and peer.address:
+        if type(peer) is Peer and peer.link.owner is self._peers and peer.link.revive and peer.address:
             if timeout is not None:
                 check_timeout(timeout, "timeout")
             limit = self._config.transfer_timeout if timeout is None else timeout
@@ -198,8 +198,8 @@ class Transfers:
             if left <= 0:
                 raise TransferTimeoutError(f"reconnecting to peer {peer.name!r} took the whole "
                                            f"{limit} s deadline; nothing was transferred")
-            if revived.name != peer.name or revived._incarnation != peer._incarnation:
-                peer._revive = False  # its process is gone: later calls fail at once
+            if revived.name != peer.name or revived.link.incarnation != peer.link.incarnation:
+                peer.link.revive = False  # its process is gone: later calls fail at once
                 what = "another process of that engine (it restarted)" if revived.name == peer.name \
                     else repr(revived.name)
                 raise PeerDisconnectedError(f"peer {peer.name!r} was evicted, and the engine now at "
@@ -221,9 +221,9 @@ class Transfers:
         local_idx = self._one_block.get(lb)
         if local_idx is None:  # not seen lately (a cache larger than the memo)
             local_idx = _remember(self._one_block, lb, self._num_blocks, self._local.offsets)
-        remote_idx = peer._one_block.get(rb)
+        remote_idx = peer.link.one_block.get(rb)
         if remote_idx is None:
-            remote_idx = _remember(peer._one_block, rb, peer.num_blocks, peer._offsets)
+            remote_idx = _remember(peer.link.one_block, rb, peer.num_blocks, peer.link.offsets)
         if local_idx is None or remote_idx is None:
             return None  # an id out of range: the general check says which
         return local_idx, remote_idx
@@ -235,7 +235,7 @@ class Transfers:
         if type(local_blocks) is list and type(remote_blocks) is list \
                 and len(local_blocks) <= self._list_from_list:
             local_idx = small_indices(local_blocks, self._num_blocks, self._offset_list)
-            remote_idx = small_indices(remote_blocks, peer.num_blocks, peer._offset_list)
+            remote_idx = small_indices(remote_blocks, peer.num_blocks, peer.link.offset_list)
             if local_idx is not None and remote_idx is not None \
                     and len(local_blocks) == len(remote_blocks) \
                     and not has_duplicates(local_blocks if op == "read" else remote_blocks):
@@ -243,7 +243,7 @@ class Transfers:
         local_ids, remote_ids = paired_ids(local_blocks, remote_blocks, self._num_blocks,
                                            peer.num_blocks, op)
         return (int(local_ids.size), descriptor_indices(self._local.offsets, local_ids),
-                descriptor_indices(peer._offsets, remote_ids))
+                descriptor_indices(peer.link.offsets, remote_ids))
 
     async def _push_read(self, peer: Peer, local_idx: Indices, remote_idx: Indices, nblocks: int,
                          message: bytes, timeout: float | None) -> TransferResult:

@@ -82,12 +82,14 @@ async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,
 class VllmConnector:
     """Connects one engine to vLLM prefill workers (see :meth:`Engine.connect_vllm`)."""
 
-    def __init__(self, local: LocalSide, life: Lifecycle, peers: PeerTable, config: EngineConfig) -> None:
+    def __init__(self, local: LocalSide, life: Lifecycle, peers: PeerTable, config: EngineConfig,
+                 max_descriptors: int) -> None:
         self._local = local
         self._life = life
         self._peers = peers
         #: EngineConfig.require_equal_geometry: refuse a prefill whose block sizes differ.
         self._equal_geometry = config.require_equal_geometry
+        self._max_descriptors = max_descriptors  # Tuning.max_peer_descriptors
         #: (endpoint, pp_rank, tp_rank) -> the peer admitted for it and vLLM's compat hash:
         #: one side channel serves several ranks, each its own agent.
         self._admitted: dict[tuple[str, int, int], tuple[Peer, str]] = {}
@@ -124,7 +126,8 @@ class VllmConnector:
         ours = self._local.regions
         try:
             theirs = regions(md, ours[0].mem_type)
-            check_geometry(ours, theirs, equal_geometry=self._equal_geometry)
+            check_geometry(ours, theirs, equal_geometry=self._equal_geometry,
+                           max_descriptors=self._max_descriptors)
         except Incompatible as exc:
             raise IncompatiblePeerError(f"{where}: {exc}", field=exc.field) from None
         except VllmWireError as exc:

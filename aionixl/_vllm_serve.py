@@ -32,11 +32,12 @@ import zmq
 
 from . import _protocol as proto
 from . import _zmq
+from ._agent import Agent, AgentFactory
 from ._checks import check_int
 from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, ListenError
 from ._lifecycle import LocalSide
-from ._nixl import Agent
+from ._nixl import NixlAgent
 from ._notifications import Notification
 from ._ratelimit import RateLimitedLog
 from ._regions import registration_spans
@@ -60,8 +61,8 @@ class ServingAgent:
     registered with an agent of their own (see the module docstring), progressed by the
     engine's drainer through :meth:`poll`."""
 
-    def __init__(self, local: LocalSide, backends: tuple[str, ...]) -> None:
-        agent = Agent(f"{local.name}-vllm", backends, progress_thread=False)
+    def __init__(self, local: LocalSide, backends: tuple[str, ...], make: AgentFactory) -> None:
+        agent = make(f"{local.name}-vllm", backends, False, False)
         try:
             agent.register(registration_spans(local.regions), local.mem_type)
         except BaseException:
@@ -155,7 +156,8 @@ class VllmServer:
                                    deliver=self._deliver, on_ready=self._served, on_down=self._down,
                                    noisy=self._noisy)
         else:
-            self.agent = ServingAgent(self._local, self._config.backends)
+            self.agent = ServingAgent(self._local, self._config.backends,
+                                      self._tuning.agent_factory or NixlAgent)
             payload = describe(engine_id, self.agent.metadata, ours)
             self._payload, self.engine_id, self.serving = payload, engine_id, True
             if not self._rdma:

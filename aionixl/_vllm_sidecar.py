@@ -12,13 +12,15 @@ that dies is counted, logged and replaced by a new one, with a new agent.
 
 Messages (:mod:`aionixl._lines`) on the child's stdout, which is its own: NIXL and UCX log
 to stderr here. ``{"ready": {"metadata": b64, "bases": [...]}}`` once registered, then
-``{"notifs": [[agent, b64], ...]}``. End of stdin releases everything and exits.
+``{"notifs": [[agent, b64], ...]}``. End of stdin releases everything and exits; the
+engine's process dying, however it dies, kills it (Linux's parent-death signal).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -37,7 +39,7 @@ import numpy as np
 
 from ._errors import AionixlError
 from ._lines import LineReader, write_fd
-from ._nixl import Agent
+from ._nixl import NixlAgent
 from ._notifications import Notification
 from ._protocol import RegionInfo
 from ._ratelimit import RateLimitedLog
@@ -111,7 +113,7 @@ class Sidecar:
     async def _child(self, generation: int, task_status: anyio.abc.TaskStatus[None] | None) -> None:
         """Run one child until it ends; raises ``AionixlError`` if it never served."""
         spec = {"name": f"{self._name}-vllm-{generation}", "backends": list(self._backends),
-                "poll_interval": self._poll_interval,
+                "poll_interval": self._poll_interval, "parent": os.getpid(),
                 "regions": [[s.fd, s.offset, r.stride, r.block_bytes, r.num_blocks]
                             for r, s in zip(self._regions, self._spans, strict=True)]}
         # -P: nothing from the working directory shadows the modules the child imports.
@@ -257,7 +259,7 @@ def _map_regions(rows: list[list[int]]) -> tuple[list[Region], list[Any]]:
 
 async def _serve(spec: dict[str, Any], ctl: int) -> None:
     regions, keep = _map_regions(spec["regions"])
-    agent = Agent(spec["name"], tuple(spec["backends"]), progress_thread=True,
+    agent = NixlAgent(spec["name"], tuple(spec["backends"]), progress_thread=True,
                   progress_delay_us=PROGRESS_DELAY_US)
     try:
         agent.register(registration_spans(regions), "DRAM")
@@ -273,7 +275,7 @@ async def _serve(spec: dict[str, Any], ctl: int) -> None:
         del keep
 
 
-async def _relay(agent: Agent, ctl: int, cap: float) -> None:
+async def _relay(agent: NixlAgent, ctl: int, cap: float) -> None:
     """Poll NIXL for notifications and pass them on: every loop turn while they arrive,
     backing off (doubling) to ``cap`` while none do."""
     interval = 0.0
@@ -299,8 +301,24 @@ async def _until_stdin_ends() -> None:
             continue
 
 
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies, however it dies (Linux's
+    parent-death signal): a SIGKILLed engine never closes our stdin, and a child stopped or
+    stuck in UCX would not read it anyway."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def main() -> None:
+    spec = msgspec.json.decode(sys.argv[1])
+    _die_with(int(spec["parent"]))
     ctl = os.dup(1)
     os.dup2(2, 1)  # NIXL and UCX log to stdout: stdout is the parent's channel here
-    anyio.run(_serve, msgspec.json.decode(sys.argv[1]), ctl)
+    anyio.run(_serve, spec, ctl)
 

@@ -170,11 +170,13 @@ def regions(md: VllmAgentMetadata, default_mem_type: str) -> list[proto.RegionIn
 
 
 def check_geometry(ours: Sequence[Region], theirs: Sequence[proto.RegionInfo], *,
-                   equal_geometry: bool = False) -> None:
+                   equal_geometry: bool = False, max_descriptors: int | None = None) -> None:
     """The region count must match, and with ``equal_geometry`` the bytes per block of each
     region (a prefill at another TP or block size has other block sizes; parts of blocks
-    move between such engines); ``proto.Incompatible`` names the field."""
-    proto.check_compatible(ours, {}, theirs, {}, equal_geometry=equal_geometry)
+    move between such engines); at most ``max_descriptors`` of the prefill's blocks x
+    regions; ``proto.Incompatible`` names the field."""
+    proto.check_compatible(ours, {}, theirs, {}, equal_geometry=equal_geometry,
+                           max_descriptors=max_descriptors)
 
 
 def read_notification(request_id: str, consumers: int = 1) -> bytes:

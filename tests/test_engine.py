@@ -1257,7 +1257,7 @@ async def test_a_registration_that_fails_at_start_raises_its_error_and_leaves_no
     def refuse(self: Any, spans: Any, mem_type: str) -> None:
         raise aionixl.AionixlError("registering KV-cache memory: refused by the test")
 
-    monkeypatch.setattr(_nixl.Agent, "register", refuse)
+    monkeypatch.setattr(_nixl.NixlAgent, "register", refuse)
     engine = aionixl.Engine(unique("refused"), numpy_cache(8, 1024, 2))
     with pytest.raises(aionixl.AionixlError, match="refused by the test"):
         async with engine:

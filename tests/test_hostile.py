@@ -21,7 +21,7 @@ import pytest
 import aionixl
 import aionixl.vllm
 from aionixl import _wire
-from aionixl._nixl import Agent, metadata_agent_name
+from aionixl._nixl import NixlAgent, metadata_agent_name
 from aionixl.testing import RemoteEngine, assert_blocks_equal
 
 from .helpers import numpy_cache, send_raw, unique
@@ -171,7 +171,7 @@ async def test_an_unauthenticated_side_channel_client_cannot_reach_the_engines_o
         served_name = metadata_agent_name(served)
         assert served_name is not None and served_name != s.target.name
         # The intruder names its agent after the honest peer: NIXL takes a sender's word.
-        intruder = Agent(s.honest.name, ("UCX",), progress_thread=False)
+        intruder = NixlAgent(s.honest.name, ("UCX",), progress_thread=False)
         try:
             intruder.add_remote(served, served_name)
             messages = [*NESTED.values(), _wire.goodbye(s.honest.nixl_metadata()),

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "aionixl"
 
 #: Bottom first. A module may import modules of strictly lower layers only.
 LAYERS: list[tuple[str, set[str]]] = [
+    ("the NIXL agent's protocol", {"_agent"}),
     ("foundation", {"_errors", "_config", "_ratelimit", "_checks", "_lines", "_parking", "_zmq",
                     "_regions", "_notifications", "_results", "_parts"}),
     ("wire, and memory of our own", {"_protocol", "_wire", "_nixl", "_metrics", "_discovery", "_staging",

@@ -464,6 +464,31 @@ def test_refused_hellos_leave_no_remote_agents(harness: Harness) -> None:
     h.assert_no_stray_peers(legit=1)
 
 
+def test_a_hello_announcing_a_billion_blocks_is_refused_before_anything_is_allocated(
+        harness: Harness) -> None:
+    """The listener would prepare a descriptor per region and block: 2 x 10**9 (tens of GiB).
+    Refused as incompatible, naming the field, with the listener's RSS as it was; so is a
+    hello announcing as many staging slots."""
+    h = harness
+    real = h.captured_hello(h.open_engine("big", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None))
+    huge = [msgspec.structs.replace(r, num_blocks=10**9) for r in real.regions]
+    before = rss_bytes()
+    reject = ask(h.address, [proto.encode(msgspec.structs.replace(real, regions=huge))])
+    assert (reject.code, reject.field) == ("incompatible", "num_blocks"), reject
+    assert "Tuning.max_peer_descriptors" in reject.reason
+    slots = [msgspec.structs.replace(r, num_blocks=10**9) for r in real.staging]
+    reject = ask(h.address, [proto.encode(msgspec.structs.replace(real, staging=slots))])
+    assert (reject.code, reject.field) == ("incompatible", "staging"), reject
+    assert rss_bytes() - before < 64 << 20
+    h.assert_no_stray_peers()
+    h.roundtrip()
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_impostor_hello_does_not_break_a_connected_peer(harness: Harness) -> None:
     """A Hello under a new name carrying a connected peer's real NIXL metadata: loading it
     would replace that peer's NIXL state (and removing it would disconnect the peer), so the

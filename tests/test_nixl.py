@@ -6,13 +6,13 @@ import logging
 
 import numpy as np
 
-from aionixl._nixl import Agent, metadata_agent_name
+from aionixl._nixl import NixlAgent, metadata_agent_name
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def test_agent_name_is_read_from_real_metadata_and_junk_yields_none() -> None:
-    agent = Agent("metadata-name-probe", ("UCX",), False)
+    agent = NixlAgent("metadata-name-probe", ("UCX",), False)
     try:
         memory = np.zeros(4096, np.uint8)
         agent.register(np.array([[memory.ctypes.data, memory.nbytes, 0]], np.uint64), "DRAM")

@@ -142,7 +142,7 @@ async def test_the_server_validates_every_request() -> None:
             for rec in records.values():
                 await rec.event.wait()
         for reason, rec in records.items():
-            assert rec.state == _push._FAILED and reason in str(rec.error), (reason, rec.error)
+            assert rec.state == _push.ReadState.FAILED and reason in str(rec.error), (reason, rec.error)
         dst._push.reads.clear()
         assert src.metrics().pushes_refused == len(cases)
         # It still serves good requests from that peer.
@@ -357,7 +357,7 @@ async def test_a_reader_without_staging_reads_directly_and_its_staged_requests_a
         dst._wake_drainer()
         with anyio.fail_after(10):
             await rec.event.wait()
-        assert rec.state == _push._FAILED and "announced none" in str(rec.error)
+        assert rec.state == _push.ReadState.FAILED and "announced none" in str(rec.error)
         dst._push.reads.clear()
 
 

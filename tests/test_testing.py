@@ -295,12 +295,12 @@ async def test_a_child_that_cannot_start_is_reported() -> None:
 # Real children behind wrappers (RemoteEngine runs ``*command_prefix, python -c BOOTSTRAP SPEC``):
 #: runs the child, which stops cleanly, then exits with status 7 itself.
 EXIT_7 = ["sh", "-c", '"$@"; exit 7', "sh"]
-#: runs the child's own bootstrap in a Python whose ``Agent.deregister_all`` does nothing,
+#: runs the child's own bootstrap in a Python whose ``NixlAgent.deregister_all`` does nothing,
 #: so that its engine really closes with its memory registrations still in NIXL.
 LEAK_REGISTRATIONS = [sys.executable, "-c", textwrap.dedent("""
     import sys
     from aionixl import _nixl
-    _nixl.Agent.deregister_all = lambda self: None
+    _nixl.NixlAgent.deregister_all = lambda self: None
     bootstrap, sys.argv = sys.argv[3], [sys.argv[0], *sys.argv[4:]]
     exec(bootstrap)
 """)]

@@ -147,6 +147,24 @@ async def test_closing_while_the_serving_process_starts_stops_it_and_the_call_ra
     assert zero_resources(prefill) and aionixl.vllm.engine_id(prefill) is None
 
 
+async def test_a_serving_child_dies_with_its_engine_process_however_that_dies() -> None:
+    """The child is stopped (SIGSTOP: it would never read its stdin's end), then the engine's
+    process is SIGKILLed: the kernel's parent-death signal ends the child all the same."""
+    here = Path(__file__).resolve().parent.parent
+    async with await anyio.open_process([sys.executable, "-m", "tests.isolated_parent"], cwd=here,
+                                        stderr=None) as parent:
+        assert parent.stdout is not None
+        with anyio.fail_after(60):
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await parent.stdout.receive(64)
+        child = int(line.split()[-1])
+        os.killpg(child, signal.SIGSTOP)  # it runs, in a process group of its own
+        parent.kill()
+        await parent.wait()
+    assert gone(child)
+
+
 async def test_isolation_needs_shared_dram_and_a_refused_call_leaves_the_engine_free_to_serve(
         caplog: pytest.LogCaptureFixture) -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:

@@ -158,7 +158,7 @@ async def _answer(engine: aionixl.Engine, request: Request) -> dict[str, Any]:
 async def _serve(spec: Spec, control: int) -> None:
     config = (msgspec.msgpack.decode(spec.config, type=aionixl.EngineConfig)
               if spec.config is not None else None)
-    tuning = msgspec.msgpack.decode(spec.tuning, type=Tuning) if spec.tuning is not None else None
+    tuning = Tuning(**msgspec.msgpack.decode(spec.tuning)) if spec.tuning is not None else None
     caches = byte_caches(spec.seed, spec.num_blocks, spec.region_bytes)
     discovery = (aionixl.EtcdDiscovery(list(spec.discovery.endpoints), prefix=spec.discovery.prefix,
                                        ttl=spec.discovery.ttl)
