@@ -165,7 +165,7 @@ class EngineConfig:
     backends: tuple[str, ...] = ("UCX",)
     #: Extra compatibility keys (model, dtype, layout...) that must match on both sides.
     compat: Mapping[str, str] = field(default_factory=_mapping)
-    #: Refuse peers (``connect``, the listener, ``connect_vllm``) whose bytes per block
+    #: Refuse peers (``connect``, the listener, ``aionixl.vllm.connect``) whose bytes per block
     #: differ from ours in any region, with ``IncompatiblePeerError`` (``.field``
     #: ``"bytes_per_block[i]"``). Off by default: such peers are admitted, and parts of
     #: blocks (``aionixl.BlockPart``) move between them; whole blocks of different sizes are

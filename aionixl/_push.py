@@ -348,7 +348,7 @@ class Pusher:
                 raise TransferError(
                     f"no staging slot is usable for a push read from {peer.name!r}: all "
                     f"{staging.slots} wait for servers to confirm reads that ended without "
-                    "their word (stats()['staging_stranded']); push reads go on as they do")
+                    "their word (metrics().staging_stranded); push reads go on as they do")
             n = min(wanted, max(1, staging.usable // 2))
             slots = None
             with anyio.move_on_after(max(0.0, end - anyio.current_time())):

@@ -1,7 +1,7 @@
 """DRAM that another process can map: KV caches a separate serving process can register.
 
 Over UCX TCP the target of a READ sends the data itself, and UCX aborts the target when
-that send meets a reader that died (docs/vllm.md). ``serve_vllm(isolate=True)`` therefore
+that send meets a reader that died (docs/vllm.md). ``aionixl.vllm.serve(..., isolate=True)`` therefore
 lets a child process register the engine's regions and answer vLLM's reads; the child can
 only do that for memory it can map, which is what :func:`shared_dram` allocates (a memfd,
 mapped shared). Pure memory bookkeeping: no NIXL, no I/O.
@@ -77,7 +77,7 @@ def locate_all(regions: Sequence[Region]) -> list[SharedSpan]:
     for i, region in enumerate(regions):
         span = locate(region) if region.mem_type == "DRAM" else None
         if span is None:
-            raise ValueError(f"serve_vllm(isolate=True) serves DRAM allocated with aionixl.shared_dram "
-                             f"only; kv_caches[{i}] is not in such a buffer")
+            raise ValueError(f"aionixl.vllm.serve(..., isolate=True) serves DRAM allocated with "
+                             f"aionixl.shared_dram only; kv_caches[{i}] is not in such a buffer")
         spans.append(span)
     return spans

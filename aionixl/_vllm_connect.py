@@ -4,7 +4,7 @@ Speaks vLLM's handshake from the event loop (a REQ socket driven through its FD,
 threads, one deadline), decodes vLLM's metadata (:mod:`aionixl._vllm_wire`), checks the
 geometry against this engine's regions and admits the prefill's NIXL agent as a foreign
 peer (no probes, no goodbyes: a vLLM prefill would take them for request notifications).
-The public face is :mod:`aionixl.vllm` and :meth:`Engine.connect_vllm`.
+The public face is :func:`aionixl.vllm.connect`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ async def fetch_metadata(address: str, *, pp_rank: int = 0, tp_rank: int = 0,
 
 
 class VllmConnector:
-    """Connects one engine to vLLM prefill workers (see :meth:`Engine.connect_vllm`)."""
+    """Connects one engine to vLLM prefill workers (see :func:`aionixl.vllm.connect`)."""
 
     def __init__(self, local: LocalSide, life: Lifecycle, peers: PeerTable, config: EngineConfig,
                  max_descriptors: int) -> None:

@@ -93,7 +93,7 @@ class ServingAgent:
 
 
 class VllmServer:
-    """One engine's vLLM side channel (see :meth:`Engine.serve_vllm`)."""
+    """One engine's vLLM side channel (see :func:`aionixl.vllm.serve`)."""
 
     def __init__(self, local: LocalSide, config: EngineConfig, tuning: Tuning, noisy: RateLimitedLog,
                  wake_drainer: Callable[[], None], deliver: Callable[[Notification], None],
@@ -163,7 +163,7 @@ class VllmServer:
             if not self._rdma:
                 log.warning("engine %r serves vLLM decoders from its own process on a host without "
                             "RDMA: over UCX TCP a decode dying mid-read can make UCX abort this "
-                            "process; serve_vllm(isolate=True) serves them from a child process "
+                            "process; aionixl.vllm.serve(..., isolate=True) serves them from a child process "
                             "instead (docs/vllm.md)", self._local.name)
         self.configured = True
 

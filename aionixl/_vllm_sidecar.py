@@ -2,7 +2,7 @@
 
 Over UCX TCP a vLLM decode's READ is emulated: the target sends the data back, and UCX
 aborts the target process when that send meets a decode that died mid-read (docs/vllm.md).
-With ``serve_vllm(isolate=True)`` the target is this child: it maps the engine's regions
+With ``aionixl.vllm.serve(..., isolate=True)`` the target is this child: it maps the engine's regions
 (:func:`aionixl._shared.shared_dram` memory), registers them with a NIXL agent of its own,
 reports that agent's metadata, and relays the notifications decoders send it (read-dones,
 heartbeats) to the engine. The engine side (:class:`Sidecar`) keeps one running: a child

@@ -49,20 +49,10 @@ async def engine_pair(src_cache: list[Any], dst_cache: list[Any],
                       tuning: aionixl.lowlevel.Tuning | None = None,
                       ) -> AsyncIterator[tuple[aionixl.Engine, aionixl.Engine, aionixl.Peer]]:
     """:func:`aionixl.testing.engine_pair` over these caches, as (the source engine, which
-    listens; the destination engine; the destination's Peer for the source). With
-    ``tuning``, both engines get it too (built here as ``testing.engine_pair`` builds them:
-    it takes no tuning)."""
-    if tuning is None:
-        async with testing.engine_pair(a_caches=dst_cache, b_caches=src_cache, config=config) as pair:
-            yield pair.b, pair.a, pair.peer
-        return
-    async with aionixl.Engine(unique_name("pair-b"), src_cache, listen="tcp://127.0.0.1:0", config=config,
-                              tuning=tuning) as src, \
-            aionixl.Engine(unique_name("pair-a"), dst_cache, listen=None, config=config,
-                           tuning=tuning) as dst:
-        assert src.address is not None
-        peer = await dst.connect(src.address, timeout=30)
-        yield src, dst, peer
+    listens; the destination engine; the destination's Peer for the source)."""
+    async with testing.engine_pair(a_caches=dst_cache, b_caches=src_cache, config=config,
+                                   tuning=tuning) as pair:
+        yield pair.b, pair.a, pair.peer
 
 
 def zero_resources(engine: aionixl.Engine) -> bool:
