@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import aionixl
+import aionixl.lowlevel
 import aionixl.vllm
 from aionixl import _wire
 from aionixl._nixl import NixlAgent, metadata_agent_name
@@ -163,18 +164,19 @@ async def test_an_unauthenticated_side_channel_client_cannot_reach_the_engines_o
     there (in an admitted peer's very name) are refused, whatever they are."""
     rng = np.random.default_rng(1)
     async with scene() as s:
-        address = await s.target.serve_vllm(engine_id="prefill-0", compat_hash="c0ffee" * 8, block_size=16,
-                                            kv_cache_layout="LBHNC", attn_backend_name="CPU_ATTN")
+        address = await aionixl.vllm.serve(s.target, engine_id="prefill-0", compat_hash="c0ffee" * 8,
+                                           block_size=16, kv_cache_layout="LBHNC",
+                                           attn_backend_name="CPU_ATTN")
         reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
         served = reply.metadata.agent_metadata
-        assert served != s.target.nixl_metadata()
+        assert served != aionixl.lowlevel.nixl_metadata(s.target)
         served_name = metadata_agent_name(served)
         assert served_name is not None and served_name != s.target.name
         # The intruder names its agent after the honest peer: NIXL takes a sender's word.
         intruder = NixlAgent(s.honest.name, ("UCX",), progress_thread=False)
         try:
             intruder.add_remote(served, served_name)
-            messages = [*NESTED.values(), _wire.goodbye(s.honest.nixl_metadata()),
+            messages = [*NESTED.values(), _wire.goodbye(aionixl.lowlevel.nixl_metadata(s.honest)),
                         _wire.PDONE + _wire.rid_bytes(1), _wire.push_error(1, "stop", lost=True),
                         _wire.push_request(push_request())]
             for message in messages:
@@ -202,7 +204,7 @@ async def test_a_push_request_for_parts_of_too_many_segments_is_refused_before_a
             await until(lambda: s.refused("push") == 1, "the request refused")
             await s.read_exactly(rng)
         assert s.target.live_resources()["dlists"] == dlists
-        assert s.target.stats()["pushes_refused"] == 1
+        assert s.target.metrics().pushes_refused == 1
         assert watch.rss_growth < 32 << 20, watch.rss_growth
 
 
@@ -368,7 +370,7 @@ async def test_a_seeded_fuzz_of_every_kind_leaves_the_engine_serving_byte_exact_
             aionixl.Engine(unique("honest"), honest_cache, listen=None, config=peers) as honest:
         await hostile.connect(target.address, timeout=30)
         peer = await honest.connect(target.address, timeout=30)
-        incarnation = _wire.incarnation(hostile.nixl_metadata())
+        incarnation = _wire.incarnation(aionixl.lowlevel.nixl_metadata(hostile))
 
         async def read_exactly(src: list[int]) -> None:
             dst = rng.choice(BLOCKS, len(src), replace=False).tolist()
