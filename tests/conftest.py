@@ -32,6 +32,32 @@ BACKENDS = [
 ]
 
 
+#: The modules whose async tests run on uvloop too: those whose subject is how the engine
+#: rides the event loop (parking and loop turns, coalescing, the poller and the drainer, zmq
+#: sockets through the loop's reader, the state machines on the fake agent). The others run
+#: on asyncio and trio: uvloop is asyncio's API over another loop, and a third run of them
+#: cost CI over a minute of two cores (docs/testing.md).
+UVLOOP_MODULES = frozenset({
+    "test_engine", "test_push", "test_fence", "test_portability", "test_asyncio_server", "test_listener",
+    "test_vllm_serve", "test_fake_agent", "test_coalesce_merging", "test_coalesce_leaving",
+    "test_coalesce_failures", "test_coalesce_notify", "test_coalesce_wakeups",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """uvloop only for :data:`UVLOOP_MODULES`."""
+    def on_uvloop_elsewhere(item: pytest.Item) -> bool:
+        spec, module = getattr(item, "callspec", None), getattr(item, "module", None)
+        return spec is not None and "anyio_backend" in spec.params and "uvloop" in spec.id.split("-") \
+            and module is not None and module.__name__.rpartition(".")[2] not in UVLOOP_MODULES
+
+    off = [item for item in items if on_uvloop_elsewhere(item)]
+    if off:
+        config.hook.pytest_deselected(items=off)
+        dropped = set(map(id, off))
+        items[:] = [item for item in items if id(item) not in dropped]
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--hide-asyncio-task-table", action="store_true",
