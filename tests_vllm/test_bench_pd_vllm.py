@@ -19,7 +19,8 @@ def test_bench_pd_with_vllm_quick_shape(tmp_path: Path) -> None:
     env = dict(os.environ)
     env.pop("UCX_TLS", None)
     proc = subprocess.run([sys.executable, "-m", "aionixl", "bench", "--workload", "pd", "--with-vllm",
-                           "--quick", "--contenders", "bare,asyncio,vllm", "--no-progress",
+                           "--quick", "--pd-repeats", "1", "--no-pd-control",  # shape, not timings
+                           "--contenders", "bare,asyncio,vllm", "--no-progress",
                            "--json", str(out)], capture_output=True, text=True, timeout=1200, env=env,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
