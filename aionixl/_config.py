@@ -180,9 +180,16 @@ class EngineConfig:
     max_pending_notification_bytes: int = 16 << 20
     #: A secret shared by the engines that may connect to each other. When set, every
     #: handshake message carries an HMAC-SHA256 tag of it and messages without the right
-    #: tag are refused before anything in them reaches NIXL. Set it wherever untrusted
-    #: hosts can reach the listener: NIXL/UCX can crash the process on crafted metadata.
+    #: tag are refused before anything in them reaches NIXL (whoever completes a handshake
+    #: can read and write every registered block, and NIXL/UCX can crash the process on
+    #: crafted metadata). An engine listening beyond loopback needs one, or
+    #: ``allow_unauthenticated``.
     handshake_secret: bytes | None = field(default=None, repr=False)
+    #: Opt out of protected mode, for trusted networks only: without it, an engine whose
+    #: listener binds an address other hosts can reach (not loopback, ``ipc://`` or
+    #: ``inproc://``) refuses to start without a ``handshake_secret``, and
+    #: ``aionixl.vllm.serve`` (vLLM's side channel cannot be signed) serves loopback only.
+    allow_unauthenticated: bool = False
     #: Extra handshake attempts ``connect()`` makes after one fails (no answer in time, a
     #: NIXL connection error, a peer that is busy or draining), all within the call's
     #: ``timeout``. Refusals that cannot change (incompatible, wrong version, not aionixl)
@@ -231,7 +238,8 @@ class EngineConfig:
         if self.handshake_secret is not None and (
                 not isinstance(self.handshake_secret, bytes) or len(self.handshake_secret) < 16):
             raise ValueError("handshake_secret must be bytes of at least 16 bytes, or None")
-        _check_bools({"require_equal_geometry": self.require_equal_geometry, "coalesce": self.coalesce})
+        _check_bools({"require_equal_geometry": self.require_equal_geometry, "coalesce": self.coalesce,
+                      "allow_unauthenticated": self.allow_unauthenticated})
         if self.read_mode not in ("auto", "get", "push"):
             raise ValueError(f"read_mode must be 'auto', 'get' or 'push', got {self.read_mode!r}")
 

@@ -86,6 +86,14 @@ class Engine:
             config = EngineConfig()
         elif not isinstance(config, EngineConfig):
             raise TypeError("config must be an aionixl.EngineConfig")
+        if listen is not None and _zmq.exposed(listen) and config.handshake_secret is None \
+                and not config.allow_unauthenticated:
+            raise ValueError(
+                f"engine {name!r} would listen on {listen}, which other hosts can reach, without a "
+                "handshake_secret: whoever completes a handshake can read and write every registered "
+                "block, and crafted NIXL metadata can crash the process. Give the engines that "
+                "connect to each other one secret, EngineConfig(handshake_secret=<16+ bytes>), or, "
+                "on a trusted network only, EngineConfig(allow_unauthenticated=True)")
         if tuning is not None and not isinstance(tuning, Tuning):
             raise TypeError("tuning must be an aionixl.lowlevel.Tuning")
         tuning = effective_tuning(config, tuning)
@@ -577,6 +585,12 @@ class Engine:
         if not isinstance(listen, str) or not listen:
             raise ValueError("listen must be a zmq endpoint string such as 'tcp://0.0.0.0:5600'")
         _zmq.check_tcp_port(listen, "listen")
+        if _zmq.exposed(listen) and not self._config.allow_unauthenticated:
+            raise ValueError(
+                f"serving vLLM decoders on {listen}, which other hosts can reach: vLLM's side "
+                "channel has no authentication (a handshake_secret cannot cover it), so whoever "
+                "asks can read every registered block. Serve on loopback (decoders on this host), "
+                "or, on a trusted network only, set EngineConfig(allow_unauthenticated=True)")
         server = self._vllm_server
         server.configure(engine_id=engine_id, compat_hash=compat_hash, block_size=block_size,
                          kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,

@@ -8,6 +8,8 @@ asyncio and trio alike through ``anyio.wait_readable``. One task owns each socke
 
 from __future__ import annotations
 
+import ipaddress
+
 import anyio
 import anyio.lowlevel
 import zmq
@@ -76,6 +78,26 @@ def check_tcp_port(endpoint: str, what: str) -> None:
         port = endpoint.rpartition(":")[2]
         if port.isdigit() and int(port) > 65535:
             raise ValueError(f"{what} {endpoint!r}: TCP port {port} is past 65535")
+
+
+#: zmq's transports that cross hosts.
+_NETWORK_TRANSPORTS = frozenset({"tcp", "ws", "wss", "udp", "pgm", "epgm", "norm", "tipc", "vmci"})
+
+
+def exposed(endpoint: str) -> bool:
+    """Whether other hosts may reach ``endpoint``: a network transport on anything but a
+    loopback address or ``localhost`` (another host name counts: it is not resolved here).
+    ``ipc://`` and ``inproc://`` are not; an unknown transport is left to zmq to refuse."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme not in _NETWORK_TRANSPORTS:
+        return False
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
 
 
 def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, max_bytes: int,

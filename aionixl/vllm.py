@@ -4,6 +4,7 @@
     await engine.transfer_blocks(peer, local_ids, remote_ids, op="read",
                                  notify=aionixl.vllm.read_notification(remote_request_id))
 
+    # beyond loopback only with EngineConfig(allow_unauthenticated=True): vLLM's protocol is unsigned
     address = await aionixl.vllm.serve(engine, "tcp://0.0.0.0:5600", engine_id="prefill-0",
                                        compat_hash=..., block_size=16, kv_cache_layout="LBHNC",
                                        attn_backend_name="FLASH_ATTN")
@@ -119,6 +120,10 @@ async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id:
     engine replaces it (``metrics().vllm_serving_restarts``); the replacement serves under
     a new engine id (:func:`engine_id`), so decoders handshake with it again.
     ``AionixlError`` when the first child does not start.
+
+    vLLM's side channel has no authentication, so ``listen`` must be loopback (or ``ipc://``)
+    unless the engine's ``EngineConfig(allow_unauthenticated=True)`` says the network is
+    trusted: ``ValueError`` otherwise (protected mode; a handshake secret does not cover it).
     """
     return await engine._serve_vllm(listen, engine_id=engine_id, compat_hash=compat_hash,
                                     block_size=block_size, kv_cache_layout=kv_cache_layout,

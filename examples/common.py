@@ -8,6 +8,7 @@ import errno
 import importlib
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -381,10 +382,14 @@ class Metrics:
 
 
 def engine_config(model: ModelConfig) -> aionixl.EngineConfig:
-    """The model's shape goes into the compat keys: engines of different models refuse to pair."""
+    """The model's shape goes into the compat keys: engines of different models refuse to pair.
+    The handshake secret comes from ``AIONIXL_HANDSHAKE_SECRET`` (16 characters or more, the
+    same for both servers): an engine listening beyond loopback refuses to start without one."""
     import aionixl
 
-    return aionixl.EngineConfig(compat={"model": model.fingerprint(), "dtype": "float32"})
+    secret = os.environ.get("AIONIXL_HANDSHAKE_SECRET")
+    return aionixl.EngineConfig(compat={"model": model.fingerprint(), "dtype": "float32"},
+                                handshake_secret=secret.encode() if secret else None)
 
 
 def engine_tuning(idle_poll_s: float) -> aionixl.lowlevel.Tuning:

@@ -179,12 +179,15 @@ async def main() -> None:
     parser.add_argument("--block-bytes", type=int, default=256 * 1024)
     parser.add_argument("--regions", type=int, default=2)
     parser.add_argument("--max-handshake-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--secret", default=None, help="the hosts' handshake secret, in hex")
     args = parser.parse_args()
     logging.getLogger("nixl").setLevel(logging.WARNING)
     driver = Driver(args)
     tuning = aionixl.lowlevel.Tuning(idle_poll_interval=0.01, max_handshake_bytes=args.max_handshake_bytes,
                                      push_cancel_timeout=0.5)
-    async with aionixl.Engine(args.name, driver.cache, listen=args.listen, tuning=tuning) as engine:
+    config = aionixl.EngineConfig(handshake_secret=bytes.fromhex(args.secret) if args.secret else None)
+    async with aionixl.Engine(args.name, driver.cache, listen=args.listen, config=config,
+                              tuning=tuning) as engine:
         driver.engine = engine
         write_file(sys.stdout, {"event": "ready", "name": engine.name, "address": engine.address})
         fd = sys.stdin.fileno()

@@ -116,14 +116,16 @@ async def test_an_engine_on_a_wildcard_registers_the_address_it_advertises(anyio
                                                                             etcd: EtcdServer) -> None:
     pfx, name = prefix(), unique("wild")
     cache = numpy_cache(16, 4096, 2)
+    secret = aionixl.EngineConfig(handshake_secret=b"wildcards need a secret")  # (protected mode)
     with anyio.fail_after(60):
         with pytest.raises(aionixl.DiscoveryError, match="wildcard"):  # peers could not use it
-            async with aionixl.Engine(name, cache, listen="tcp://0.0.0.0:0", discovery=discovery(etcd, pfx)):
+            async with aionixl.Engine(name, cache, listen="tcp://0.0.0.0:0", config=secret,
+                                      discovery=discovery(etcd, pfx)):
                 pass
         assert await registered(etcd, pfx) == {}
-        async with aionixl.Engine(name, cache, listen="tcp://0.0.0.0:0",
+        async with aionixl.Engine(name, cache, listen="tcp://0.0.0.0:0", config=secret,
                                   discovery=discovery(etcd, pfx, advertise="127.0.0.1")) as engine, \
-                aionixl.Engine(unique("d"), numpy_cache(16, 4096, 2), listen=None,
+                aionixl.Engine(unique("d"), numpy_cache(16, 4096, 2), listen=None, config=secret,
                                discovery=discovery(etcd, pfx)) as other:
             port = (engine.address or "").rsplit(":", 1)[1]
             assert (await registered(etcd, pfx))[name].address == f"tcp://127.0.0.1:{port}"

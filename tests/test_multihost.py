@@ -39,7 +39,7 @@ class Child:
                  listen: str | None = None) -> None:
         self.role = role
         argv = [sys.executable, str(HERE / "netns_peer.py"), "--role", role, "--name", name,
-                "--seed", str(seed)]
+                "--seed", str(seed), "--secret", host.secret.hex()]
         if listen is not None:
             argv += ["--listen", listen]
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": host.dev,

@@ -8,8 +8,10 @@ PYTEST_DONT_REWRITE
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,6 +22,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import anyio
+
+from aionixl import EngineConfig
+from aionixl._config import effective_tuning
 
 from ._etcd import Etcd
 from ._remote import KILL_TIMEOUT, RemoteEngine
@@ -98,11 +103,15 @@ _FIRST_LISTEN_PORT = 20000
 
 @dataclass(frozen=True)
 class Host:
-    """One end of :class:`TwoHosts`: a namespace, its veth device and its IPv4 address."""
+    """One end of :class:`TwoHosts` (or a host of :class:`FleetHosts`): a namespace, its veth
+    device, its IPv4 address, and the handshake secret its engines share with the other
+    hosts' (made for the pair or the fleet: engines listening on a host's address cross
+    hosts, and an engine does so only with a secret)."""
 
     ns: str
     dev: str
     addr: str
+    secret: bytes = field(default=b"", repr=False, compare=False)
     _ports: Iterator[int] = field(default_factory=lambda: itertools.count(_FIRST_LISTEN_PORT),
                                   init=False, repr=False, compare=False)
 
@@ -117,9 +126,16 @@ class Host:
     def remote_engine(self, name: str | None = None, **kwargs: Any) -> RemoteEngine:
         """A :class:`RemoteEngine` (same arguments) run inside this namespace, listening on
         :meth:`listen_address` unless given ``listen=``, with UCX on TCP over this host's
-        device (``env=`` adds to that)."""
+        device (``env=`` adds to that), and this host's :attr:`secret` unless its ``config``
+        has a secret of its own or opts out (``allow_unauthenticated``)."""
         if "listen" not in kwargs:
             kwargs["listen"] = self.listen_address()
+        config: EngineConfig | None = kwargs.get("config")
+        if self.secret and (config is None or (config.handshake_secret is None
+                                               and not config.allow_unauthenticated)):
+            if config is not None:  # (with what it was given under names that moved to Tuning)
+                kwargs["tuning"] = effective_tuning(config, kwargs.get("tuning"))
+            kwargs["config"] = dataclasses.replace(config or EngineConfig(), handshake_secret=self.secret)
         kwargs["env"] = {**self.ucx_env(), **kwargs.get("env", {})}
         return RemoteEngine(name, command_prefix=self.command([]), **kwargs)
 
@@ -159,8 +175,10 @@ class TwoHosts:
         # exists inside the two namespaces made here.
         slot = (pid * 7 + n) % (256 * 64)
         third, fourth = slot // 64, (slot % 64) * 4
-        self.a = Host(f"aionixl-{tag}-a", f"anx{tag}a", f"10.231.{third}.{fourth + 1}")
-        self.b = Host(f"aionixl-{tag}-b", f"anx{tag}b", f"10.231.{third}.{fourth + 2}")
+        #: The handshake secret of the engines on these hosts (:attr:`Host.secret`).
+        self.secret = secrets.token_bytes(32)
+        self.a = Host(f"aionixl-{tag}-a", f"anx{tag}a", f"10.231.{third}.{fourth + 1}", self.secret)
+        self.b = Host(f"aionixl-{tag}-b", f"anx{tag}b", f"10.231.{third}.{fourth + 2}", self.secret)
         self._made: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
 
@@ -262,8 +280,11 @@ class FleetHosts:
         self.switch = f"aionixl-{tag}-sw"
         self.gateway = f"{subnet}.1"
         self._bridge = f"anx{tag}br"
+        #: The handshake secret of the engines on this fleet's hosts (:attr:`Host.secret`).
+        self.secret = secrets.token_bytes(32)
         self.hosts: tuple[Host, ...] = tuple(
-            Host(f"aionixl-{tag}-h{i}", f"anx{tag}h{i}", f"{subnet}.{i + 2}") for i in range(hosts))
+            Host(f"aionixl-{tag}-h{i}", f"anx{tag}h{i}", f"{subnet}.{i + 2}", self.secret)
+            for i in range(hosts))
         self._ports = [f"anx{tag}s{i}" for i in range(hosts)]  # the bridge's ends of the links
         self._want_etcd = etcd
         self.etcd: Etcd | None = None

@@ -483,7 +483,8 @@ def main() -> int:
     if state is not None:
         res, peers = state["resources"], state["peers"]
         print(f"listener state: peers {sorted(peers)}; NIXL resources {res}")
-        if res["remote_agents"] != len(peers) or res["dlists"] != 1 + len(peers):
+        # Ours, and per peer its blocks' and its staging slots' (the good client has both).
+        if res["remote_agents"] != len(peers) or res["dlists"] != 1 + 2 * len(peers):
             anomalies.append(f"listener NIXL state does not match its peers: {len(peers)} peer(s), {res}")
     if closed is not None:
         print(f"listener closed in {closed['close_seconds'] * 1000:.1f} ms; "
