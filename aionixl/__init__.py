@@ -18,6 +18,7 @@ from ._errors import (
     PeerDisconnectedError,
     TransferError,
     TransferTimeoutError,
+    UnprotectedListenerError,
 )
 from ._leases import Lease, LeaseCancelledError, LeaseExpiredError, read_done
 from ._notifications import Notification
@@ -49,6 +50,7 @@ __all__ = [
     "TransferError",
     "TransferResult",
     "TransferTimeoutError",
+    "UnprotectedListenerError",
     "read_done",
     "shared_dram",
 ]

@@ -33,7 +33,7 @@ from ._coalesce import Coalescer
 from ._config import EngineConfig, Tuning, effective_tuning
 from ._discovery import Discovery, EngineRecord
 from ._drainer import NotificationDrainer
-from ._errors import AionixlError, EngineClosedError, PeerDisconnectedError
+from ._errors import AionixlError, EngineClosedError, PeerDisconnectedError, UnprotectedListenerError
 from ._handshake import Handshakes
 from ._hostfacts import host_facts
 from ._inflight import InFlightTable
@@ -88,7 +88,7 @@ class Engine:
             raise TypeError("config must be an aionixl.EngineConfig")
         if listen is not None and _zmq.exposed(listen) and config.handshake_secret is None \
                 and not config.allow_unauthenticated:
-            raise ValueError(
+            raise UnprotectedListenerError(
                 f"engine {name!r} would listen on {listen}, which other hosts can reach, without a "
                 "handshake_secret: whoever completes a handshake can read and write every registered "
                 "block, and crafted NIXL metadata can crash the process. Give the engines that "
@@ -257,6 +257,7 @@ class Engine:
             vllm_requests_answered=server.answered,
             vllm_requests_refused=server.refused,
             vllm_serving_restarts=sidecar.restarts if (sidecar := server.sidecar) else 0,
+            vllm_serving_unresponsive=sidecar.unresponsive if sidecar else 0,
             messages_refused={kind: self._refusals.counts.get(kind, 0) for kind in REFUSAL_KINDS},
             leaked_on_close=self._leaked_on_close,
             **self._discovery_metrics(),
@@ -394,7 +395,7 @@ class Engine:
         agent.register(registration_spans(self._regions), local.mem_type)
         local.dlist = agent.prep_dlist(None, block_descriptors(self._regions), local.mem_type)
         if cfg.push_staging_bytes and local.mem_type == "DRAM":
-            local.staging = Staging(self._regions, cfg.push_staging_bytes)
+            local.staging = Staging(self._regions, cfg.push_staging_bytes, tuning.stranded_slot_ttl)
             agent.register(registration_spans(local.staging.regions), "DRAM")
         local.metadata = agent.metadata()
 
@@ -586,7 +587,7 @@ class Engine:
             raise ValueError("listen must be a zmq endpoint string such as 'tcp://0.0.0.0:5600'")
         _zmq.check_tcp_port(listen, "listen")
         if _zmq.exposed(listen) and not self._config.allow_unauthenticated:
-            raise ValueError(
+            raise UnprotectedListenerError(
                 f"serving vLLM decoders on {listen}, which other hosts can reach: vLLM's side "
                 "channel has no authentication (a handshake_secret cannot cover it), so whoever "
                 "asks can read every registered block. Serve on loopback (decoders on this host), "

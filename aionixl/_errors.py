@@ -16,6 +16,12 @@ class ListenError(AionixlError):
     """The handshake endpoint could not be bound."""
 
 
+class UnprotectedListenerError(ListenError, ValueError):
+    """Refused before binding: a listener other hosts could reach, without authentication
+    (protected mode). A ``ValueError`` (the arguments are the cause) and a ``ListenError``
+    (the listener did not start), so callers catching either see it."""
+
+
 class HandshakeError(AionixlError):
     """Connecting to a peer failed: nobody answered in time, or the reply was unusable."""
 

@@ -34,8 +34,10 @@ def test_only_network_transports_beyond_loopback_count_as_reachable_from_other_h
 
 @pytest.mark.parametrize("listen", ["tcp://0.0.0.0:0", "tcp://*:0", "tcp://10.1.2.3:5555"])
 def test_a_listener_other_hosts_can_reach_needs_a_secret_and_the_error_names_both_fixes(listen: str) -> None:
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(aionixl.UnprotectedListenerError) as refused:
         aionixl.Engine(unique("open"), numpy_cache(4, 64, 1), listen=listen)
+    # A caller catching ValueError (a bad argument) or ListenError (no listener) sees it.
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, aionixl.ListenError)
     text = str(refused.value)
     assert listen in text and "handshake_secret" in text and "allow_unauthenticated=True" in text
 
@@ -60,7 +62,7 @@ async def test_loopback_needs_no_secret() -> None:
 async def test_vllm_decoders_are_served_beyond_loopback_only_with_the_opt_out() -> None:
     async with aionixl.Engine(unique("p"), numpy_cache(4, 64, 1), listen=None,
                               config=aionixl.EngineConfig(handshake_secret=SECRET)) as secured:
-        with pytest.raises(ValueError, match=r"no authentication.*allow_unauthenticated=True"):
+        with pytest.raises(aionixl.UnprotectedListenerError, match=r"no authentication.*unauthenticated"):
             await aionixl.vllm.serve(secured, "tcp://0.0.0.0:0", **SERVE)
         assert aionixl.vllm.engine_id(secured) is None
         address = await aionixl.vllm.serve(secured, "tcp://127.0.0.1:0", **SERVE)  # loopback: served
