@@ -116,6 +116,12 @@ class Tuning:
     #: (80 layers with K and V apart: 160 regions of up to 104,857 blocks); each descriptor
     #: passes ~70 bytes through memory while a list is prepared.
     max_peer_descriptors: int = 1 << 24
+    #: Staging slots stranded by a push read whose server never confirmed it stopped come
+    #: back this long after the read ended, once that server is no longer connected (a late
+    #: confirmation or the server's restart gives them back sooner). The default, 15 min,
+    #: is past TCP's retransmission lifetime: a vanished server silent that long is taken
+    #: never to send the rest of its chunk (docs/read-modes.md).
+    stranded_slot_ttl: float = 900.0
     #: Makes the engine's NIXL agents (``aionixl._agent.Agent``): None is NIXL's own. A test
     #: seam: the tests' in-memory fake agent comes in here. Not sent to remote engines.
     agent_factory: AgentFactory | None = field(default=None, repr=False)
@@ -128,7 +134,8 @@ class Tuning:
                         "idle_poll_interval": self.idle_poll_interval,
                         "peer_probe_interval": self.peer_probe_interval,
                         "notification_poll_interval": self.notification_poll_interval,
-                        "push_cancel_timeout": self.push_cancel_timeout},
+                        "push_cancel_timeout": self.push_cancel_timeout,
+                        "stranded_slot_ttl": self.stranded_slot_ttl},
                        finite=("push_cancel_timeout",))
         _check_ints({"max_pending_notifications": self.max_pending_notifications,
                      "max_handshake_bytes": self.max_handshake_bytes,

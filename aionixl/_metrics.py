@@ -399,10 +399,12 @@ class EngineMetrics:
     leases_expired: int = 0
     heartbeat_ids_unknown: int = 0
     #: Serving vLLM decoders (``aionixl.vllm.serve``): side-channel requests answered and
-    #: refused; serving children replaced after they ended (``isolate=True``).
+    #: refused; serving children replaced after they ended (``isolate=True``), and of those
+    #: the ones killed for not answering a liveness ping in time (stopped, or stuck).
     vllm_requests_answered: int = 0
     vllm_requests_refused: int = 0
     vllm_serving_restarts: int = 0
+    vllm_serving_unresponsive: int = 0
     #: Messages from peers refused (malformed, over their bound, or from a sender not
     #: entitled to them), by kind: ``probe``, ``goodbye``, ``multi``, ``tagged``, ``push``,
     #: ``pcancel``, ``pdone``, ``perr``, ``pgone``, ``plost``, ``reserved`` (a reserved prefix

@@ -341,23 +341,41 @@ class Pusher:
     async def _slots(self, staging: Staging, peer: Peer, wanted: int, end: float,
                      limit: float) -> tuple[int, Ids]:
         """Staging slots for the next round, by ``end``: at most half of those usable, so
-        that one round stuck at a stopped server never strands them all."""
+        that one round stuck at a stopped server never strands them all, and no more than
+        the server may still strand (``Staging.room_for``): a server at its share waits for
+        its own late confirmations, and is refused at ``end``."""
         while True:
+            staging.expire(self._gone)
             if not staging.usable:
-                self.exhausted += 1
-                raise TransferError(
-                    f"no staging slot is usable for a push read from {peer.name!r}: all "
-                    f"{staging.slots} wait for servers to confirm reads that ended without "
-                    "their word (metrics().staging_stranded); push reads go on as they do")
-            n = min(wanted, max(1, staging.usable // 2))
+                raise self._no_slots(staging, peer, f"all {staging.slots} are stranded")
+            room = staging.room_for(peer.name)
+            n = min(wanted, max(1, staging.usable // 2), room)
             slots = None
             with anyio.move_on_after(max(0.0, end - anyio.current_time())):
-                slots = await staging.acquire(n)
+                if n:
+                    slots = await staging.acquire(n)
+                else:
+                    await staging.changed()  # the server's late word gives it room again
             if slots is not None:
                 return n, slots
             if anyio.current_time() >= end:
+                if not n:
+                    raise self._no_slots(staging, peer, f"it stranded half of the {staging.slots}")
                 raise self._timed_out(peer, limit)
             self._peers.still_usable(peer)  # closing; else slots were stranded meanwhile: fewer a round
+
+    def _gone(self, server: str) -> bool:
+        """Whether ``server`` is no longer a connected peer (``Staging.expire``)."""
+        peer = self._peers.by_name.get(server)
+        return peer is None or not peer.connected
+
+    def _no_slots(self, staging: Staging, peer: Peer, why: str) -> TransferError:
+        self.exhausted += 1
+        return TransferError(
+            f"no staging slot is usable for a push read from {peer.name!r}: {why}, waiting for "
+            "their servers to confirm reads that ended without their word "
+            "(metrics().staging_stranded); they come back as the servers confirm, restart, or "
+            "Tuning.stranded_slot_ttl after they left")
 
     def _incarnation(self) -> bytes:
         """Ours, as our requests and cancels carry it."""

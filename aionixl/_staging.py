@@ -7,7 +7,13 @@ the server to write into slots of its own, copies them into the caller's blocks 
 the server said the read is complete, and frees a slot only when the server confirmed that
 nothing more of its read will land. A slot whose read ended unconfirmed is stranded: late
 bytes can land there and nowhere else. It comes back when the server confirms late (it
-does once the chunk it had under way ended) or when an engine of its name handshakes anew.
+does once the chunk it had under way ended), when an engine of its name handshakes anew,
+or, once the server is no longer connected, ``Tuning.stranded_slot_ttl`` after its read ended
+(15 min by default: past TCP's retransmission lifetime, tcp_retries2's ~924 s, so the
+policy assumes a vanished server that long silent never sends the rest of a chunk; one
+stopped that long and then resumed could). And one server strands at most half of the
+slots: past that its push reads wait for its late word (refused at their deadline), the
+others' go on.
 
 The slots mirror this engine's regions (one block of each region per slot), so the server
 addresses them as it would our blocks; they live in one DRAM buffer the engine registers
@@ -16,8 +22,9 @@ with NIXL and announces in its handshake.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -40,7 +47,8 @@ class Staging:
     whose regions are all DRAM: the copy out is a host memcpy.
     """
 
-    def __init__(self, regions: Sequence[Region], budget: int) -> None:
+    def __init__(self, regions: Sequence[Region], budget: int, ttl: float = 900.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         per_slot = sum(r.block_bytes for r in regions)
         self.slots = max(1, min(budget // per_slot, regions[0].num_blocks, MAX_SLOTS))
         self._buffer = np.zeros(self.slots * per_slot, dtype=np.uint8)
@@ -56,11 +64,15 @@ class Staging:
         self._targets = [block_view(r) for r in regions]
         self._free: list[int] = list(range(self.slots - 1, -1, -1))
         #: Slots of rounds that ended unconfirmed, by (server name, request id), with the
-        #: server's process then (``_wire.incarnation``: which process of a name it is).
-        self._stranded: dict[tuple[str, int], tuple[Ids, bytes]] = {}
+        #: server's process then (``_wire.incarnation``: which process of a name it is) and
+        #: when (``clock``).
+        self._stranded: dict[tuple[str, int], tuple[Ids, bytes, float]] = {}
+        self._ttl = ttl  # Tuning.stranded_slot_ttl
+        self._clock = clock
         #: Each server's process as last admitted.
         self._processes: dict[str, bytes] = {}
-        self.reclaimed = 0  # slots given back by a late confirmation or a server's restart
+        self.reclaimed = 0  # slots given back by a late confirmation, a server's restart or the ttl
+        self.expired = 0  # of those, the ones given back by the ttl
         self.closed = False
         self._queue: deque[object] = deque()  # readers waiting for slots, in arrival order
         self._changed = anyio.Event()
@@ -68,7 +80,24 @@ class Staging:
     @property
     def stranded(self) -> int:
         """Slots out of use until their server confirms."""
-        return sum(int(slots.size) for slots, _ in self._stranded.values())
+        return sum(int(slots.size) for slots, _, _ in self._stranded.values())
+
+    def room_for(self, server: str) -> int:
+        """Slots ``server``'s next round may strand at most: half of all, less its own
+        stranded ones (so one vanished server never takes them all)."""
+        own = sum(int(slots.size) for (name, _), (slots, _, _) in self._stranded.items() if name == server)
+        return max(0, self.slots // 2 - own)
+
+    def expire(self, gone: Callable[[str], bool]) -> None:
+        """Give back the slots stranded more than the ttl ago by servers that are ``gone``
+        (no longer connected peers)."""
+        if not self._stranded:
+            return
+        old = self._clock() - self._ttl
+        for key in [k for k, (_, _, when) in self._stranded.items() if when <= old and gone(k[0])]:
+            slots = self._stranded.pop(key)[0]
+            self.expired += int(slots.size)
+            self._reclaim(slots)
 
     @property
     def usable(self) -> int:
@@ -98,6 +127,10 @@ class Staging:
             self._queue.remove(turn)
             self._wake()  # the next in line may go now
 
+    async def changed(self) -> None:
+        """Until slots are given back, stranded, taken, or the engine closes."""
+        await self._changed.wait()
+
     def _take(self, n: int) -> Ids:
         taken = self._free[-n:]
         del self._free[-n:]
@@ -117,7 +150,7 @@ class Staging:
         elif self._processes.get(server, process) != process:
             self._reclaim(slots)  # a new process of that name was admitted meanwhile
         else:
-            self._stranded[(server, rid)] = (slots, process)
+            self._stranded[(server, rid)] = (slots, process, self._clock())
             self._wake()  # fewer usable: a reader waiting for more than are left gives up
 
     def confirmed_late(self, server: str, rid: int) -> None:
@@ -133,7 +166,7 @@ class Staging:
         while its link was cut and its kernel resends the rest once the link is back, after
         its successor handshook (a race no test has produced)."""
         self._processes[server] = process
-        for key in [k for k, (_, was) in self._stranded.items() if k[0] == server and was != process]:
+        for key in [k for k, (_, was, _) in self._stranded.items() if k[0] == server and was != process]:
             self._reclaim(self._stranded.pop(key)[0])
 
     def _reclaim(self, slots: Ids) -> None:

@@ -52,6 +52,10 @@ START_TIMEOUT = 60.0
 RESTART_DELAY = (0.2, 5.0)
 #: The child's NIXL progress thread sleeps this long when idle (0 would spin a core).
 PROGRESS_DELAY_US = 100
+#: The engine pings a serving child this often and replaces one that does not answer within
+#: the deadline (stopped, or stuck in UCX: it would never exit by itself).
+PING_INTERVAL = 0.5
+PING_DEADLINE = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ class Sidecar:
         self._scope: anyio.CancelScope | None = None
         #: Children that ended after serving without being told to (each one is replaced).
         self.restarts = 0
+        #: Of those, the ones killed for not answering a liveness ping in time.
+        self.unresponsive = 0
         #: The running child's process id; None between children.
         self.pid: int | None = None
 
@@ -152,13 +158,10 @@ class Sidecar:
             self._on_ready(served)
             if task_status is not None:
                 task_status.started()
-            try:
-                while (message := await child.receive()) is not None:
-                    for agent, text in message.get("notifs", ()):
-                        self._deliver(Notification(agent, base64.b64decode(text)))
-                why = f"ended with code {await child.wait(1.0)}"
-            except (ValueError, TypeError) as exc:  # it spoke nonsense: it is stopped below
-                why = f"sent a bad message ({exc}); stopped"
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch, child)
+                why = await self._relay(child)
+                tg.cancel_scope.cancel()
             self.restarts += 1
             self._noisy.log(logging.ERROR, "sidecar-exit", "the vLLM serving process (pid %d) %s; "
                             "starting another", proc.pid, why)
@@ -166,6 +169,39 @@ class Sidecar:
             self.pid = None
             with anyio.CancelScope(shield=True):
                 await child.stop()
+
+    async def _relay(self, child: _Child) -> str:
+        """Deliver what ``child`` relays, and note its pongs, until it ends; why it ended."""
+        try:
+            while (message := await child.receive()) is not None:
+                for agent, text in message.get("notifs", ()):
+                    self._deliver(Notification(agent, base64.b64decode(text)))
+                if "pong" in message:
+                    child.ponged(int(message["pong"]))
+        except (ValueError, TypeError) as exc:  # it spoke nonsense: it is stopped after
+            return f"sent a bad message ({exc}); stopped"
+        if child.unresponsive:
+            return f"did not answer a liveness ping within {PING_DEADLINE:g} s; killed"
+        return f"ended with code {await child.wait(1.0)}"
+
+    async def _watch(self, child: _Child) -> None:
+        """Ping ``child`` every ``PING_INTERVAL``; kill it (its stdout then ends, and it is
+        replaced as a crashed one is) when a ping goes unanswered for ``PING_DEADLINE``."""
+        n = 0
+        while True:
+            await anyio.sleep(PING_INTERVAL)
+            n += 1
+            if child.ping(n):
+                with anyio.move_on_after(PING_DEADLINE):
+                    await child.answered(n)
+                # Past the deadline, one more look: had this loop itself stalled, the pong
+                # may sit unread in the pipe, and the relay reads it now.
+                with anyio.move_on_after(PING_INTERVAL):
+                    await child.answered(n)
+            if child.pong < n:
+                self.unresponsive += 1
+                child.kill_unresponsive()
+                return
 
     def _served(self, report: Any, generation: int) -> Served | None:
         """What a ready report says; ``ValueError`` for a malformed one."""
@@ -205,7 +241,36 @@ class _Child:
         self._stop_timeout = stop_timeout
         self._out = proc.stdout.fileno()
         os.set_blocking(self._out, False)
+        assert proc.stdin is not None
+        self._in = proc.stdin.fileno()
+        os.set_blocking(self._in, False)
         self._reader = LineReader()
+        #: The last liveness ping it answered; whether it was killed for not answering one.
+        self.pong = 0
+        self._pong_event = anyio.Event()
+        self.unresponsive = False
+
+    def ping(self, n: int) -> bool:
+        """Send ping ``n`` (False when its stdin takes nothing: it is not reading)."""
+        try:
+            return os.write(self._in, b"ping %d\n" % n) > 0
+        except (BlockingIOError, BrokenPipeError):
+            return False
+
+    def ponged(self, n: int) -> None:
+        self.pong = max(self.pong, n)
+        self._pong_event.set()
+
+    async def answered(self, n: int) -> None:
+        """Until ping ``n`` is answered."""
+        while self.pong < n:
+            self._pong_event = anyio.Event()
+            await self._pong_event.wait()
+
+    def kill_unresponsive(self) -> None:
+        self.unresponsive = True
+        with contextlib.suppress(ProcessLookupError):  # its group: it leads a session of its own
+            os.killpg(self._proc.pid, signal.SIGKILL)
 
     async def receive(self) -> dict[str, Any] | None:
         """The next message; None once the child's stdout closed."""
@@ -267,7 +332,7 @@ async def _serve(spec: dict[str, Any], ctl: int) -> None:
                                  "bases": [r.base for r in regions]}})
         async with anyio.create_task_group() as tg:
             tg.start_soon(_relay, agent, ctl, float(spec["poll_interval"]))
-            await _until_stdin_ends()
+            await _answer_until_stdin_ends(ctl)
             tg.cancel_scope.cancel()
     finally:
         agent.deregister_all()
@@ -290,15 +355,23 @@ async def _relay(agent: NixlAgent, ctl: int, cap: float) -> None:
         await anyio.sleep(interval)
 
 
-async def _until_stdin_ends() -> None:
+async def _answer_until_stdin_ends(ctl: int) -> None:
+    """Answer the engine's liveness pings (``ping N`` lines on stdin: ``{"pong": N}``) until
+    stdin ends."""
     os.set_blocking(0, False)
+    pending = b""
     while True:
         await anyio.wait_readable(0)
         try:
-            if not os.read(0, 4096):
-                return
+            chunk = os.read(0, 4096)
         except BlockingIOError:
             continue
+        if not chunk:
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(b"ping "):
+                write_fd(ctl, {"pong": int(line[5:])})
 
 
 def _die_with(parent: int) -> None:

@@ -91,6 +91,50 @@ async def test_a_new_agent_of_the_same_name_frees_what_the_old_one_stranded() ->
     assert staging.stranded == 1 and staging.free == 3 and staging.reclaimed == 3
 
 
+async def test_one_server_strands_at_most_half_of_the_slots() -> None:
+    staging = Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=8 * 16)
+    assert staging.room_for("p") == 4
+    a = await staging.acquire(3)
+    assert a is not None
+    staging.settle(a, False, "p", 1, b"proc-1")
+    assert staging.room_for("p") == 1 and staging.room_for("q") == 4  # another server's room is whole
+    b = await staging.acquire(1)
+    assert b is not None
+    staging.settle(b, False, "p", 2, b"proc-1")
+    assert staging.room_for("p") == 0 and staging.usable == 4
+    staging.confirmed_late("p", 1)
+    assert staging.room_for("p") == 3
+
+
+async def test_stranded_slots_of_a_server_gone_that_long_come_back_after_the_ttl() -> None:
+    now = [100.0]
+    staging = Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=8 * 16, ttl=60.0,
+                      clock=lambda: now[0])
+    a = await staging.acquire(2)
+    b = await staging.acquire(1)
+    assert a is not None and b is not None
+    staging.settle(a, False, "gone", 1, b"proc-1")
+    now[0] = 130.0
+    staging.settle(b, False, "still-here", 1, b"proc-7")
+    peers = {"still-here"}
+
+    def gone(name: str) -> bool:
+        return name not in peers
+
+    staging.expire(gone)  # 30 s: too early for either
+    assert staging.stranded == 3 and staging.expired == 0
+    now[0] = 160.0
+    staging.expire(gone)  # 60 s for "gone"'s round; "still-here" is a peer: its slot waits
+    assert staging.stranded == 1 and staging.free == 7
+    assert staging.expired == 2 and staging.reclaimed == 2
+    now[0] = 10_000.0
+    staging.expire(gone)
+    assert staging.stranded == 1  # however long: a server still a peer can still confirm
+    peers.clear()
+    staging.expire(gone)
+    assert staging.stranded == 0 and staging.free == 8 and staging.expired == 3
+
+
 async def test_acquire_waits_for_slots_and_gives_up_when_too_few_are_usable() -> None:
     staging = Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=4 * 16)
     held = await staging.acquire(3)

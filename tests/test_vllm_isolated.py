@@ -25,7 +25,7 @@ import pytest
 import aionixl
 import aionixl.lowlevel
 import aionixl.vllm
-from aionixl import _shared
+from aionixl import _shared, _vllm_sidecar
 from aionixl._hostfacts import host_facts
 from aionixl._regions import describe_region
 
@@ -106,7 +106,7 @@ async def test_an_aborted_serving_process_is_replaced_under_a_new_engine_id_and_
         first = sidecar.pid
         orphan = prefill.lease("orphan", [2], duration=0.5)  # its reader goes with the child
         os.kill(first, signal.SIGABRT)
-        with anyio.fail_after(30):
+        with anyio.fail_after(40):
             while aionixl.vllm.engine_id(prefill) != "prefill-0~1":
                 await anyio.sleep(0.01)
         assert prefill.metrics().vllm_serving_restarts == 1 and sidecar.pid not in (None, first)
@@ -116,6 +116,32 @@ async def test_an_aborted_serving_process_is_replaced_under_a_new_engine_id_and_
         await read_through(address, src, prefill.lease("after", [30, 31]), [30, 31])
         reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
         assert reply.metadata.engine_id == "prefill-0~1"
+    assert zero_resources(prefill)
+
+
+async def test_a_stopped_serving_process_misses_its_liveness_pings_and_is_replaced_within_seconds() -> None:
+    """A child that hangs without exiting (SIGSTOP here; stuck in UCX alike) would never be
+    noticed by its end: it answers a ping every 0.5 s or is killed and replaced."""
+    src = shared_cache(seed=8)
+    async with aionixl.Engine("p", src, listen=None) as prefill:
+        address = await aionixl.vllm.serve(prefill, **SERVE, isolate=True)
+        sidecar = prefill._vllm_server.sidecar
+        assert sidecar is not None and sidecar.pid is not None
+        first = sidecar.pid
+        await anyio.sleep(2 * _vllm_sidecar.PING_INTERVAL)  # answering: left alone
+        assert sidecar.pid == first and prefill.metrics().vllm_serving_restarts == 0
+        os.kill(first, signal.SIGSTOP)
+        stopped = anyio.current_time()
+        with anyio.fail_after(40):
+            while aionixl.vllm.engine_id(prefill) != "prefill-0~1":
+                await anyio.sleep(0.01)
+        replaced_in = anyio.current_time() - stopped
+        # A ping, its deadline, one more look, then the replacement's start (seconds when loaded).
+        assert replaced_in < 2 * _vllm_sidecar.PING_INTERVAL + _vllm_sidecar.PING_DEADLINE + 15, replaced_in
+        metrics = prefill.metrics()
+        assert metrics.vllm_serving_restarts == 1 and metrics.vllm_serving_unresponsive == 1
+        assert gone(first)
+        await read_through(address, src, prefill.lease("after", [3]), [3])
     assert zero_resources(prefill)
 
 
