@@ -108,7 +108,9 @@ def main() -> None:
     p.add_argument("--attn-backend", required=True)
     p.add_argument("--progress-thread", action="store_true")
     p.add_argument("--isolate", action="store_true", help="aionixl.vllm.serve(isolate=True)")
-    anyio.run(serve, p.parse_args())
+    p.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
+    args = p.parse_args()
+    anyio.run(serve, args, backend=args.backend)
 
 
 if __name__ == "__main__":

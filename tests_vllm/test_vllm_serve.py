@@ -137,9 +137,9 @@ class ServingPrefill:
     """``tests_vllm.serving_prefill``: an aionixl prefill serving vLLM, in a child process."""
 
     def __init__(self, env: dict[str, str], ready: dict[str, Any], layers: int, blocks: int,
-                 progress_thread: bool = False, isolate: bool = False) -> None:
+                 progress_thread: bool = False, isolate: bool = False, backend: str = "asyncio") -> None:
         read_fd, write_fd = os.pipe()
-        args = ["--fd", str(write_fd), "--layers", str(layers), "--blocks", str(blocks),
+        args = ["--fd", str(write_fd), "--layers", str(layers), "--blocks", str(blocks), "--backend", backend,
                 "--page", str(ready["page_bytes"]), "--compat-hash", ready["compat_hash"],
                 "--block-size", str(ready["block_size"]), "--attn-backend", ready["attn_backend"]]
         try:
@@ -205,6 +205,45 @@ def isolated_prefill_and_decode(env: dict[str, str], layers: int, blocks: int
         if prefill is not None:
             prefill.proc.kill()
             prefill.proc.wait()
+
+
+def test_relayed_heartbeats_keep_a_2_s_lease_alive_for_10_s_through_the_serving_child() -> None:
+    """Issue 50, item 3: a real vLLM decode's heartbeats, relayed by the isolated serving
+    child, keep a 2 s lease alive for 10 s (a beat every 0.5 s: one late by more than 1.5 s
+    would let it expire), on both loops, while a lease with no heartbeats expires."""
+    decode = VllmDecode(LAYERS, BLOCKS)
+    try:
+        anyio.run(decode.start)
+        for backend in ("asyncio", "trio"):
+            prefill = ServingPrefill(dict(os.environ), decode.ready, LAYERS, BLOCKS, isolate=True,
+                                     backend=backend)
+            try:
+                host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
+                anyio.run(decode.ask, {"op": "target", "engine_id": prefill.ready["engine_id"],
+                                       "host": host, "port": int(port)})
+                got = anyio.run(decode.ask, {"op": "verify", "req": "warm", "local": [0], "remote": [0]})
+                assert got["ok"]  # handshaken: heartbeats go out from the next step on
+                for req in ("kept", "lapsed"):
+                    prefill.send({"op": "lease", "req": req, "blocks": [3, 4], "duration": 2.0})
+                    prefill.line(lambda m, req=req: m.get("leased") == req, 10)
+                started = time.monotonic()
+                while time.monotonic() - started < 10.0:
+                    anyio.run(decode.ask, {"op": "heartbeat", "reqs": ["kept"]})
+                    time.sleep(0.5)
+                lapsed = prefill.line(lambda m: m.get("lease") == "lapsed", 1)
+                assert lapsed["outcome"] == "expired"  # 2 s is a real deadline
+                got = anyio.run(decode.ask, {"op": "verify", "req": "kept", "local": [5, 6], "remote": [3, 4]})
+                assert got == {"ok": True, "blocks": 2}
+                kept = prefill.line(lambda m: m.get("lease") == "kept", 10)
+                assert kept["outcome"] == "released", (backend, kept)  # never expired meanwhile
+                closed = prefill.close()
+                assert all(v == 0 for v in closed.values()), closed
+            finally:
+                if prefill.proc.poll() is None:
+                    prefill.proc.kill()
+                    prefill.proc.wait()
+    finally:
+        decode.stop()
 
 
 def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() -> None:
