@@ -11,9 +11,9 @@ does once the chunk it had under way ended), when an engine of its name handshak
 or, once the server is no longer connected, ``Tuning.stranded_slot_ttl`` after its read ended
 (15 min by default: past TCP's retransmission lifetime, tcp_retries2's ~924 s, so the
 policy assumes a vanished server that long silent never sends the rest of a chunk; one
-stopped that long and then resumed could). And one server strands at most half of the
-slots: past that its push reads wait for its late word (refused at their deadline), the
-others' go on.
+stopped that long and then resumed could). And one server strands at most three quarters
+of the slots (the others keep a quarter at least): past that its push reads wait for its
+late word (refused at their deadline), the others' go on.
 
 The slots mirror this engine's regions (one block of each region per slot), so the server
 addresses them as it would our blocks; they live in one DRAM buffer the engine registers
@@ -83,10 +83,10 @@ class Staging:
         return sum(int(slots.size) for slots, _, _ in self._stranded.values())
 
     def room_for(self, server: str) -> int:
-        """Slots ``server``'s next round may strand at most: half of all, less its own
-        stranded ones (so one vanished server never takes them all)."""
+        """Slots ``server``'s next round may strand at most: three quarters of all, less its
+        own stranded ones (so one vanished or lossy server never takes them all)."""
         own = sum(int(slots.size) for (name, _), (slots, _, _) in self._stranded.items() if name == server)
-        return max(0, self.slots // 2 - own)
+        return max(0, max(1, self.slots * 3 // 4) - own)
 
     def expire(self, gone: Callable[[str], bool]) -> None:
         """Give back the slots stranded more than the ttl ago by servers that are ``gone``

@@ -91,19 +91,20 @@ async def test_a_new_agent_of_the_same_name_frees_what_the_old_one_stranded() ->
     assert staging.stranded == 1 and staging.free == 3 and staging.reclaimed == 3
 
 
-async def test_one_server_strands_at_most_half_of_the_slots() -> None:
+async def test_one_server_strands_at_most_three_quarters_of_the_slots() -> None:
     staging = Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=8 * 16)
-    assert staging.room_for("p") == 4
-    a = await staging.acquire(3)
+    assert staging.room_for("p") == 6
+    a = await staging.acquire(4)
     assert a is not None
     staging.settle(a, False, "p", 1, b"proc-1")
-    assert staging.room_for("p") == 1 and staging.room_for("q") == 4  # another server's room is whole
-    b = await staging.acquire(1)
+    assert staging.room_for("p") == 2 and staging.room_for("q") == 6  # another server's room is whole
+    b = await staging.acquire(2)
     assert b is not None
     staging.settle(b, False, "p", 2, b"proc-1")
-    assert staging.room_for("p") == 0 and staging.usable == 4
+    assert staging.room_for("p") == 0 and staging.usable == 2  # a quarter left for the others
     staging.confirmed_late("p", 1)
-    assert staging.room_for("p") == 3
+    assert staging.room_for("p") == 4
+    assert Staging(_regions([np.zeros((8, 16), np.uint8)]), budget=16).room_for("p") == 1  # one slot
 
 
 async def test_stranded_slots_of_a_server_gone_that_long_come_back_after_the_ttl() -> None:
