@@ -48,6 +48,11 @@ class LoopTools(NamedTuple):
     #: 3.12+): schedules a callback for the loop's next pass, to tell that one happened.
     #: None where every task switch is a pass (trio).
     call_soon: Callable[[Callable[[], None]], object] | None = None
+    #: Where every call of a library must at least be a cancellation point (trio's rule):
+    #: raises if the task's scope is cancelled, else returns without a trip through the
+    #: loop. None on asyncio, which has no such rule (a call that finishes without
+    #: awaiting is not cancelled there).
+    cancel_point: Callable[[], Awaitable[None]] | None = None
 
 
 class Unpark(Protocol):
@@ -222,7 +227,8 @@ def _trio_tools(trio: Any) -> LoopTools:
         del waiters[:seen]
         return woken
 
-    return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint, True)
+    return LoopTools(current_task, trio.Event, park, unpark_all, lowlevel.checkpoint, True,
+                     cancel_point=lowlevel.checkpoint_if_cancelled)
 
 
 class _PublicRunContext:

@@ -62,14 +62,17 @@ class LoopTurns:
     not be cancelled.
     """
 
-    __slots__ = ("last_yield", "slice", "holder", "_passed", "_marking", "_current_task",
-                 "_checkpoint", "_call_soon")
+    __slots__ = ("last_yield", "slice", "holder", "cancel_point", "_passed", "_marking",
+                 "_current_task", "_checkpoint", "_call_soon")
 
     def __init__(self) -> None:
         self.last_yield = 0.0  # perf_counter()
         self.slice = _SLICE_LONG
         #: The task whose call used up the slice, or None.
         self.holder: object = None
+        #: What a call that needs no turn awaits as it starts (``LoopTools.cancel_point``):
+        #: on trio every call is then a cancellation point; None on asyncio.
+        self.cancel_point: Callable[[], Awaitable[None]] | None = None
         #: Whether the loop has made a pass since the slice ran out (always, where every
         #: task switch is one); whether a callback that says so is scheduled.
         self._passed = True
@@ -84,6 +87,7 @@ class LoopTurns:
         self._current_task = tools.current_task
         self._checkpoint = tools.yield_now
         self._call_soon = tools.call_soon
+        self.cancel_point = tools.cancel_point
 
     def finished_inline(self, now: float) -> None:
         """A transfer finished inside its post at ``now``: note the caller if the slice is

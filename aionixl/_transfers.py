@@ -99,8 +99,11 @@ class Transfers:
                               local_part: BlockPart | None = None,
                               remote_part: BlockPart | None = None) -> TransferResult:
         """See :meth:`Engine.transfer_blocks`."""
-        if self._turns.holder is not None:  # a call used up the slice: maybe this task's
-            await self._turns.take_turn()  # before any check: the peer may change meanwhile
+        turns = self._turns
+        if turns.holder is not None:  # a call used up the slice: maybe this task's
+            await turns.take_turn()  # before any check: the peer may change meanwhile
+        elif turns.cancel_point is not None:  # trio: every call is a cancellation point
+            await turns.cancel_point()
         if not self._life.usable:
             self._life.check_open()
         if type(peer) is not Peer or peer.link.owner is not self._peers or not peer.link.connected:
