@@ -18,6 +18,7 @@ import aionixl
 import aionixl.vllm
 assert "torch" not in sys.modules, "import aionixl imported torch"
 assert "nixl" not in sys.modules, "import aionixl imported the nixl package"
+assert "vllm" not in sys.modules, "import aionixl imported vLLM (only aionixl.vllm_connector may)"
 print("ok")
 """
 

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("components: the transfer call, the drainer", {"_transfers", "_drainer"}),
     ("facade", {"_engine"}),
     ("public surface", {"__init__", "vllm", "prometheus", "layouts", "lowlevel"}),
+    ("vLLM's KV connector (imports vLLM; loaded by vLLM by module path)", {"vllm_connector"}),
     ("test helpers", {"testing"}),
     ("add-ons", {"_demo", "_bench", "_soak"}),
     ("command line", {"_cli"}),

@@ -232,7 +232,8 @@ def test_relayed_heartbeats_keep_a_2_s_lease_alive_for_10_s_through_the_serving_
                     time.sleep(0.5)
                 lapsed = prefill.line(lambda m: m.get("lease") == "lapsed", 1)
                 assert lapsed["outcome"] == "expired"  # 2 s is a real deadline
-                got = anyio.run(decode.ask, {"op": "verify", "req": "kept", "local": [5, 6], "remote": [3, 4]})
+                got = anyio.run(decode.ask, {"op": "verify", "req": "kept", "local": [5, 6],
+                                             "remote": [3, 4]})
                 assert got == {"ok": True, "blocks": 2}
                 kept = prefill.line(lambda m: m.get("lease") == "kept", 10)
                 assert kept["outcome"] == "released", (backend, kept)  # never expired meanwhile

@@ -1,0 +1,495 @@
+"""Real vLLM prefill/decode pairs, offline on CPUs, each instance a child process of its own.
+
+A KV connector is proven by what vLLM computes with it, not by the bytes it moves: a decode
+that produced the tokens of prompt A while it was given prompt B (and A's ``kv_transfer_params``)
+can only have attended over the KV cache the prefill computed for A. That needs weights whose
+greedy outputs depend on the whole prompt, so :func:`write_tiny_llama` writes a tiny Llama with
+seeded random weights (vLLM's dummy weights make every logit equal).
+
+Every instance is ``python -m tests_vllm.pd_pair --role ROLE ...`` (an ``LLM`` with or without a
+``kv_transfer_config``), in a session of its own so that vLLM's engine-core and worker processes
+go with it when it has to be killed. Messages (:mod:`aionixl._lines`): the child writes ``{"ready": ...}``
+(or ``{"error": ...}``) on ``--fd``, then one reply per command it reads on stdin:
+
+- ``{"op": "generate", "requests": [{"prompt_token_ids": [...], "kv_transfer_params": {...}}],
+  "max_tokens": N, "logprobs": K}``: greedy, ``ignore_eos``, all requests in one ``LLM.generate``
+  call; ``{"outputs": [{"token_ids", "kv_transfer_params", "num_cached_tokens", "margins"}],
+  "elapsed_s"}``. ``margins`` (with ``logprobs >= 2``) are the top-1 minus top-2 logprobs of
+  each generated token: how far each greedy choice was from a tie.
+- ``{"op": "info"}``: ``{"info": [{"pid", "name", "threads"}, ...]}``, the child and every
+  process under it: vLLM's engine core (the connector's scheduler half) and its worker (the
+  connector's worker half, which moves the KV).
+- ``{"op": "stop"}`` or the end of stdin: shuts the engine core down, answers ``{"stopped":
+  {"shutdown_s", "engine_exit_codes", "threads_left"}}`` and exits.
+
+vLLM's own output (much of it) goes to a log file; its tail comes with every error raised here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from aionixl._bench._child import module_command
+from aionixl._lines import LineReader, decode_line, encode_line, write_file
+
+Role = Literal["prefill", "decode", "single"]
+
+#: What each role is to vLLM's connector; ``single`` runs without one (the reference).
+KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {"prefill": "kv_producer",
+                                                              "decode": "kv_consumer"}
+#: One core each on a 2-core machine: the two halves of a pair never share OpenMP cores, and
+#: every instance computes with one thread (GEMMs may round differently with more).
+DEFAULT_OMP_BIND: dict[str, str] = {"prefill": "0", "decode": "1", "single": "0"}
+#: CPU attention needs blocks of a multiple of 32 tokens.
+BLOCK_SIZE = 32
+MODULE = "tests_vllm.pd_pair"
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """Which vLLM KV connector an instance loads: a class name, and the module that holds it for
+    connectors outside vLLM's registry (loaded by module path, in vLLM's spawned workers too)."""
+
+    kv_connector: str
+    module_path: str | None = None
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Output:
+    """One request's result, as ``LLM.generate`` gave it."""
+
+    token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    num_cached_tokens: int | None
+    margins: list[float] | None  # top-1 minus top-2 logprob per token (with logprobs >= 2)
+
+
+@dataclass(frozen=True)
+class StopReport:
+    """How an instance ended: its exit code, the engine core's shutdown time (as the child
+    measured it), the whole stop (request to exit), how the engine-core processes ended, the
+    child's threads that outlived the shutdown and any process of its session left behind."""
+
+    exit_code: int | None
+    shutdown_s: float | None
+    stop_s: float
+    engine_exit_codes: list[int | None]  # vLLM's engine-core processes: -9 if vLLM had to kill one
+    threads_left: list[str]
+    leftover_pids: list[int]
+    killed: bool
+
+
+_ports_given: set[int] = set()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (vLLM's side channel binds it a little later), never one
+    this process gave out before: two instances started together must not get the same one."""
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _ports_given:
+            _ports_given.add(port)
+            return port
+
+
+# --- the model ------------------------------------------------------------------------------
+
+TINY_LLAMA: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+    # 0.3 rather than HF's 0.02: logits spread wide enough that greedy choices are rarely near
+    # ties (bf16 rounding must not flip them between instances), and still depend on the context.
+    "initializer_range": 0.3, "tie_word_embeddings": False,
+}
+
+
+def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A tiny Llama with seeded random weights in ``path`` (safetensors, bf16, no tokenizer);
+    kept when ``path`` already holds one written with the same seed and shape."""
+    marker = path / "aionixl-tiny-llama.json"
+    stamp = json.dumps({"seed": seed, **TINY_LLAMA}, sort_keys=True)
+    if marker.is_file() and marker.read_text() == stamp:
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    marker.write_text(stamp)
+    return path
+
+
+# --- the parent's side ----------------------------------------------------------------------
+
+
+class VllmInstance:
+    """One vLLM ``LLM`` in a child process, started at construction; :meth:`wait_ready` waits
+    for it. Commands block until answered: these children never wait on this process."""
+
+    def __init__(self, model: Path, role: Role, connector: ConnectorSpec | None = None, *,
+                 side_channel_port: int | None = None, omp_bind: str | None = None,
+                 log_path: Path | None = None, dtype: str = "bfloat16", max_model_len: int = 1024,
+                 kv_cache_bytes: int = 256 << 20, seed: int = 0) -> None:
+        if (connector is None) != (role == "single"):
+            raise ValueError(f"a {role} instance needs {'no' if role == 'single' else 'a'} connector")
+        self.role = role
+        self.connector = connector
+        self.side_channel_port = side_channel_port or free_port()
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"pd_pair-{role}-", suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
+        self.log_path = log_path
+        args = ["--role", role, "--model", str(model), "--dtype", dtype,
+                "--max-model-len", str(max_model_len), "--kv-cache-bytes", str(kv_cache_bytes),
+                "--seed", str(seed), "--side-channel-port", str(self.side_channel_port),
+                "--omp-bind", omp_bind or DEFAULT_OMP_BIND[role]]
+        if connector is not None:
+            args += ["--kv-connector", connector.kv_connector,
+                     "--extra-config", json.dumps(dict(connector.extra_config))]
+            if connector.module_path:
+                args += ["--kv-connector-module-path", connector.module_path]
+        read_fd, write_fd = os.pipe()
+        try:
+            argv, env = module_command(MODULE, "--fd", str(write_fd), *args)
+            with open(log_path, "ab") as log:
+                # A session of its own: a kill takes vLLM's processes (its grandchildren) with it.
+                self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                             pass_fds=(write_fd,), env=env, start_new_session=True)
+        finally:
+            os.close(write_fd)
+        self._fd = read_fd
+        self._reader = LineReader()
+        self._started = time.monotonic()
+        self.ready: dict[str, Any] = {}
+        self.startup_s: float | None = None
+        self.stopped: StopReport | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(no log: {exc})"
+
+    def _fail(self, what: str) -> RuntimeError:
+        return RuntimeError(f"vLLM {self.role} (pid {self.pid}): {what}\n--- {self.log_path} (tail) ---\n"
+                            f"{self.log_tail()}")
+
+    def _message(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (msg := self._reader.pop()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(f"no answer within {timeout} s")
+            ready, _, _ = select.select([self._fd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self._fd, 1 << 20)
+                if not chunk:
+                    raise self._fail(f"exited (code {self.proc.wait()})")
+                self._reader.feed(chunk)
+        if "error" in msg:
+            raise self._fail(f"{msg['error']}\n{msg.get('traceback', '')}")
+        return msg
+
+    def wait_ready(self, timeout: float = 600.0) -> VllmInstance:
+        """Wait until the ``LLM`` is built; its start-up time (process start to ready) is kept."""
+        if not self.ready:
+            self.ready = self._message(timeout)["ready"]
+            self.startup_s = time.monotonic() - self._started
+        return self
+
+    def _ask(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(encode_line(cmd))
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._fail(f"exited (code {self.proc.wait()})") from None
+        return self._message(timeout)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
+                 kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
+                 logprobs: int | None = None, timeout: float = 300.0) -> list[Output]:
+        """Greedy outputs for ``prompts``, all in one ``LLM.generate`` call (one batch), each with
+        its ``kv_transfer_params`` (None: none)."""
+        params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} kv_transfer_params")
+        requests = [{"prompt_token_ids": list(map(int, p)), "kv_transfer_params": dict(kv) if kv else None}
+                    for p, kv in zip(prompts, params, strict=True)]
+        reply = self._ask({"op": "generate", "requests": requests, "max_tokens": max_tokens,
+                           "logprobs": logprobs}, timeout)
+        return [Output(**o) for o in reply["outputs"]]
+
+    def prefill(self, prompts: Sequence[Sequence[int]], timeout: float = 300.0) -> list[Output]:
+        """Prefill ``prompts`` for a remote decode: one token each, the KV kept for the decode to
+        read; each output's ``kv_transfer_params`` are what the decode request takes."""
+        return self.generate(prompts, max_tokens=1, timeout=timeout,
+                             kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
+
+    def info(self, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The child and its processes (vLLM's engine core and worker): pid, name, thread count."""
+        return list(self._ask({"op": "info"}, timeout)["info"])
+
+    def session_pids(self) -> list[int]:
+        """Live processes of the child's session (itself included): what a stop must leave none of."""
+        import psutil
+
+        pids = []
+        for proc in psutil.process_iter(["pid"]):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getsid(proc.pid) == self.pid and proc.status() != psutil.STATUS_ZOMBIE:
+                    pids.append(proc.pid)
+        return pids
+
+    def stop(self, timeout: float = 60.0) -> StopReport:
+        """Ask for a clean shutdown and time it; killed (with its whole session) past
+        ``timeout``. Idempotent: a second call returns the first report."""
+        if self.stopped is not None:
+            return self.stopped
+        start = time.monotonic()
+        shutdown_s, engine_codes, threads_left, killed = None, [], [], False
+        if self.proc.poll() is None:
+            with contextlib.suppress(RuntimeError):
+                if self.ready:  # a child still starting reads no commands: it is killed below
+                    stopped = self._ask({"op": "stop"}, timeout)["stopped"]
+                    shutdown_s, threads_left = stopped["shutdown_s"], stopped["threads_left"]
+                    engine_codes = stopped["engine_exit_codes"]
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(max(1.0, timeout - (time.monotonic() - start)) if self.ready else 0.1)
+            except subprocess.TimeoutExpired:
+                killed = True
+        # vLLM's engine core and multiprocessing's resource tracker end right after the child.
+        deadline = time.monotonic() + 10
+        while (left := self.session_pids()) and time.monotonic() < deadline and not killed:
+            time.sleep(0.2)
+        if left or killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+        code = self.proc.wait()
+        os.close(self._fd)
+        self.stopped = StopReport(exit_code=code, shutdown_s=shutdown_s, stop_s=time.monotonic() - start,
+                                  engine_exit_codes=engine_codes, threads_left=threads_left,
+                                  leftover_pids=left, killed=killed)
+        return self.stopped
+
+    def __enter__(self) -> VllmInstance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class Pair:
+    """A started prefill and decode; ``startup_s`` is the wall time until both were ready."""
+
+    prefill: VllmInstance
+    decode: VllmInstance
+    startup_s: float
+
+
+@contextlib.contextmanager
+def pd_pair(model: Path, prefill: ConnectorSpec, decode: ConnectorSpec, *, log_dir: Path | None = None,
+            timeout: float = 600.0, **options: Any) -> Iterator[Pair]:
+    """A prefill and a decode instance, started side by side, stopped (or killed) on the way out.
+
+    ``options`` go to both :class:`VllmInstance` constructors (dtype, max_model_len, ...)."""
+    started = time.monotonic()
+    instances: list[VllmInstance] = []
+    try:
+        for role, connector in (("prefill", prefill), ("decode", decode)):
+            log = log_dir / f"{role}.log" if log_dir else None
+            instances.append(VllmInstance(model, role, connector, log_path=log, **options))  # type: ignore[arg-type]
+        for instance in instances:
+            instance.wait_ready(timeout)
+        yield Pair(instances[0], instances[1], time.monotonic() - started)
+    finally:
+        for instance in instances:
+            instance.stop()
+
+
+def reference_outputs(model: Path, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
+                      logprobs: int | None = 2, log_dir: Path | None = None, timeout: float = 600.0,
+                      **options: Any) -> list[Output]:
+    """What a plain instance (no connector) generates for ``prompts``: the outputs a pair must
+    reproduce. In a child process like the pair's, with the same options and start-up path."""
+    log = log_dir / "single.log" if log_dir else None
+    with VllmInstance(model, "single", log_path=log, **options) as single:
+        single.wait_ready(timeout)
+        outputs = single.generate(prompts, max_tokens=max_tokens, logprobs=logprobs, timeout=timeout)
+        report = single.stop()
+    if report.exit_code != 0 or report.leftover_pids:
+        raise RuntimeError(f"the reference instance did not stop cleanly: {report}")
+    return outputs
+
+
+# --- the child's side -----------------------------------------------------------------------
+
+
+def _process_tree() -> list[dict[str, Any]]:
+    """This process and every process under it: pid, name and thread count."""
+    import psutil
+
+    me = psutil.Process()
+    tree = []
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            tree.append({"pid": proc.pid, "name": proc.name(), "threads": proc.num_threads()})
+    return tree
+
+
+def _margins(logprobs: Any) -> list[float] | None:
+    """Top-1 minus top-2 logprob of each generated token (None without two logprobs)."""
+    if not logprobs:
+        return None
+    margins = []
+    for position in logprobs:
+        top = sorted((lp.logprob for lp in position.values()), reverse=True)
+        if len(top) < 2:
+            return None
+        margins.append(float(top[0] - top[1]))
+    return margins
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    """An error message: what went wrong first, then where."""
+    return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def _build_llm(args: argparse.Namespace) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv_transfer_config = None
+    if args.role != "single":
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=args.kv_connector, kv_role=KV_ROLES[args.role], kv_buffer_device="cpu",
+            kv_connector_module_path=args.kv_connector_module_path,
+            kv_connector_extra_config=json.loads(args.extra_config))
+    return LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
+               seed=args.seed, block_size=BLOCK_SIZE, max_model_len=args.max_model_len,
+               kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
+               kv_transfer_config=kv_transfer_config)
+
+
+def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, params = [], []
+    for request in cmd["requests"]:
+        prompts.append(TokensPrompt(prompt_token_ids=request["prompt_token_ids"]))
+        kv = request["kv_transfer_params"]
+        extra = {"kv_transfer_params": kv} if kv else None
+        params.append(SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
+                                     logprobs=cmd.get("logprobs"), extra_args=extra))
+    start = time.monotonic()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.monotonic() - start
+    outputs = [{"token_ids": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
+                "num_cached_tokens": r.num_cached_tokens, "margins": _margins(r.outputs[0].logprobs)}
+               for r in results]
+    return {"outputs": outputs, "elapsed_s": elapsed}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    out = os.fdopen(args.fd, "w")
+    # vLLM reads these when it builds the engine core (a spawned process that inherits them).
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.side_channel_port)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    # vLLM gives its worker 5 s to exit before it terminates it, and its engine core 5 s before it
+    # kills it: a stop is timed whole, not cut short (a slow connector teardown shows as slow).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(args.shutdown_timeout)))
+    start = time.monotonic()
+    try:
+        llm = _build_llm(args)
+    except Exception as exc:
+        write_file(out, _error(exc))
+        return 1
+    write_file(out, {"ready": {"pid": os.getpid(), "role": args.role, "build_s": time.monotonic() - start,
+                               "side_channel_port": args.side_channel_port, "processes": _process_tree()}})
+    for raw in sys.stdin.buffer:
+        cmd = decode_line(raw)
+        if cmd is None:
+            continue
+        if cmd.get("op") == "stop":
+            break
+        try:
+            if cmd.get("op") == "generate":
+                reply = _generate(llm, cmd)
+            elif cmd.get("op") == "info":
+                reply = {"info": _process_tree()}
+            else:
+                reply = {"error": f"unknown command {cmd!r}"}
+        except Exception as exc:
+            reply = _error(exc)
+        write_file(out, reply)
+    start = time.monotonic()
+    client = llm.llm_engine.engine_core
+    client.shutdown(timeout=args.shutdown_timeout)
+    shutdown_s = time.monotonic() - start
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    engine_codes = [p.exitcode for p in getattr(manager, "processes", [])]
+    import threading
+
+    # Threads that would keep this process from exiting: a hang at exit names its culprit.
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    with contextlib.suppress(OSError):  # the parent may have stopped listening (end of stdin)
+        write_file(out, {"stopped": {"shutdown_s": shutdown_s, "engine_exit_codes": engine_codes,
+                                     "threads_left": left}})
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fd", type=int, required=True, help="where the messages go")
+    p.add_argument("--role", choices=("prefill", "decode", "single"), required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--kv-connector")
+    p.add_argument("--kv-connector-module-path")
+    p.add_argument("--extra-config", default="{}", help="kv_connector_extra_config, as JSON")
+    p.add_argument("--side-channel-port", type=int, required=True)
+    p.add_argument("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="how long vLLM waits for its engine core (and that for its worker) to exit")
+    args = p.parse_args(argv)
+    if (args.role == "single") != (args.kv_connector is None):
+        p.error("--kv-connector is required for prefill and decode, and refused for single")
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

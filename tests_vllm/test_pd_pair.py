@@ -1,0 +1,193 @@
+"""A real vLLM prefill/decode pair computes with the KV cache its connectors moved.
+
+The decode is given prompt B with the ``kv_transfer_params`` of prompt A's prefill: B and A
+have the same length and last token (the one token the decode computes itself) and differ
+everywhere else, so the decode's greedy tokens are A's (as a plain instance generates them)
+only if it attended over A's KV, read from the prefill; a decode that recomputed its prompt
+produces B's. Each pair of connectors runs K concurrent requests in one ``generate`` call.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .pd_pair import ConnectorSpec, Output, VllmInstance, write_tiny_llama
+
+#: Connector name -> (kv_connector class, module path for connectors outside vLLM's registry).
+CONNECTORS: dict[str, tuple[str, str | None]] = {
+    "NixlConnector": ("NixlConnector", None),
+    "AionixlConnector": ("AionixlConnector", "aionixl.vllm_connector"),
+}
+#: (prefill connector, decode connector) pairs to prove, by name in CONNECTORS.
+PAIRS: list[tuple[str, str]] = [
+    ("AionixlConnector", "AionixlConnector"),
+    ("AionixlConnector", "NixlConnector"),
+    ("NixlConnector", "AionixlConnector"),
+]
+
+K = 3  # concurrent requests per pair
+PROMPT_LEN = 80  # two full blocks of 32 and a partial one
+MAX_TOKENS = 8
+CANDIDATES = 32  # A/B candidates from which K usable ones are picked (about 1 in 5 is)
+#: The least gap between the top two logprobs along a greedy path: bf16 logits step by 1/16
+#: around the top ones, so a choice one step from a tie could flip between instances.
+MIN_MARGIN = 0.1
+VOCAB = 512
+
+
+@dataclass(frozen=True)
+class Case:
+    """Prompts A and B (same length and last token), and what a plain instance generates."""
+
+    a: list[int]
+    b: list[int]
+    want_a: list[int]
+    got_b: list[int]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+Fleet = dict[tuple[str, str], VllmInstance]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A prefill and a decode instance of each connector, and a plain single instance, all
+    started side by side: a decode reads from whichever prefill a request's
+    ``kv_transfer_params`` name, so each prefill with each decode is a P/D pair (four
+    instances for the four pairs, not eight). Stopped on the way out (the last test checks
+    those stops)."""
+    log_dir = tmp_path_factory.mktemp("pd-logs")
+    started = time.monotonic()
+    instances: Fleet = {}
+    try:
+        instances[("single", "")] = VllmInstance(tiny_model, "single", log_path=log_dir / "single.log")
+        for name in CONNECTORS:
+            for role in ("prefill", "decode"):
+                instances[(role, name)] = VllmInstance(tiny_model, role, spec(name),  # type: ignore[arg-type]
+                                                       log_path=log_dir / f"{role}-{name}.log")
+        for instance in instances.values():
+            instance.wait_ready(600)
+        print(f"\n{len(instances)} instances ready in {time.monotonic() - started:.1f} s")
+        yield instances
+    finally:
+        for instance in instances.values():
+            instance.stop()
+
+
+@pytest.fixture(scope="module")
+def cases(fleet: Fleet) -> list[Case]:
+    """K cases whose A and B generate different tokens on the plain single instance, with no
+    near-tie on either's way."""
+    rng = random.Random(1234)
+    pairs = []
+    for _ in range(CANDIDATES):
+        a = [rng.randrange(VOCAB) for _ in range(PROMPT_LEN)]
+        b = [rng.randrange(VOCAB) for _ in range(PROMPT_LEN - 1)] + [a[-1]]
+        pairs.append((a, b))
+    outs = fleet[("single", "")].generate([p for pair in pairs for p in pair], max_tokens=MAX_TOKENS,
+                                          logprobs=2)
+    usable = []
+    for (a, b), out_a, out_b in zip(pairs, outs[0::2], outs[1::2], strict=True):
+        assert out_a.margins is not None and out_b.margins is not None
+        assert len(out_a.token_ids) == len(out_b.token_ids) == MAX_TOKENS
+        if out_a.token_ids != out_b.token_ids and min(out_a.margins + out_b.margins) >= MIN_MARGIN:
+            usable.append(Case(a, b, out_a.token_ids, out_b.token_ids))
+    print(f"{len(usable)} of {CANDIDATES} candidates usable")
+    assert len(usable) >= K, f"only {len(usable)} of {CANDIDATES} candidates usable: another seed?"
+    return usable[:K]
+
+
+def threads(processes: list[dict[str, Any]]) -> str:
+    """An instance's processes as ``name[pid]: threads``, for the log."""
+    return ", ".join(f"{p['name']}[{p['pid']}]: {p['threads']}" for p in processes)
+
+
+def spec(name: str) -> ConnectorSpec:
+    kv_connector, module_path = CONNECTORS[name]
+    return ConnectorSpec(kv_connector, module_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("prefill_connector", "decode_connector"), PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])
+def test_decode_generates_from_the_prefills_kv(prefill_connector: str, decode_connector: str,
+                                               fleet: Fleet, cases: list[Case]) -> None:
+    prefill, decode = fleet[("prefill", prefill_connector)], fleet[("decode", decode_connector)]
+    prefilled = prefill.prefill([c.a for c in cases])
+    for out in prefilled:
+        assert out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"), out
+    # B's tokens, A's KV: each decode request takes what A's prefill answered.
+    remote = [o.kv_transfer_params for o in prefilled]
+    decoded: list[Output] = decode.generate([c.b for c in cases], max_tokens=MAX_TOKENS,
+                                            kv_transfer_params=remote)
+    for case, pre, out in zip(cases, prefilled, decoded, strict=True):
+        assert pre.token_ids == case.want_a[:1]  # the prefill's one token: A's first
+        assert out.token_ids != case.got_b, "the decode recomputed B: the remote KV was not used"
+        assert out.token_ids == case.want_a
+    # The decode instance itself computes B as the single instance does: A's tokens came
+    # from A's KV.
+    plain = decode.generate([c.b for c in cases], max_tokens=MAX_TOKENS)
+    assert [o.token_ids for o in plain] == [c.got_b for c in cases]
+    print(f"\n{prefill_connector} -> {decode_connector}; threads: prefill {threads(prefill.info())}, "
+          f"decode {threads(decode.info())}")
+
+
+def worker(instance: VllmInstance) -> dict[str, Any]:
+    """The instance's vLLM worker process (pid, name, threads)."""
+    (found,) = [p for p in instance.info() if p["name"] == "VLLM::Worker"]
+    return found
+
+
+@pytest.mark.slow
+def test_the_aionixl_connector_adds_at_most_four_threads_to_a_worker(fleet: Fleet) -> None:
+    """Its loop thread plus what its NIXL agents and zmq start, against a worker with no
+    connector (vLLM's NixlConnector adds about 8: its agent's, a handshake executor...)."""
+    plain = worker(fleet[("single", "")])["threads"]
+    added = {f"{role} {name}": worker(fleet[(role, name)])["threads"] - plain
+             for role, name in fleet if name}
+    print(f"\nthreads a connector adds to a worker ({plain} without one): {added}")
+    for role in ("prefill", "decode"):
+        assert added[f"{role} AionixlConnector"] <= 4, added
+
+
+@pytest.mark.slow
+def test_an_idle_aionixl_worker_uses_at_most_5_percent_of_a_core(fleet: Fleet) -> None:
+    """NIXL's progress thread is off and nothing spins: measured as the worker process's CPU
+    time over 3 s with no request in flight (every instance at once), from 2 s after the last
+    request (a vLLM worker busy-polls its input queue for 1 s after each read of it)."""
+    import psutil
+
+    procs = {key: psutil.Process(worker(instance)["pid"]) for key, instance in fleet.items()}
+    time.sleep(2.0)
+    before = {key: sum(p.cpu_times()[:2]) for key, p in procs.items()}
+    started = time.monotonic()
+    time.sleep(3.0)
+    wall = time.monotonic() - started
+    used = {f"{role} {name or '(no connector)'}": round((sum(p.cpu_times()[:2]) - before[key]) / wall, 3)
+            for key, p in procs.items() for role, name in [key]}
+    print(f"\nidle worker CPU, cores: {used}")
+    for role in ("prefill", "decode"):
+        assert used[f"{role} AionixlConnector"] <= 0.05, used
+
+
+@pytest.mark.slow
+def test_every_instance_stops_cleanly_and_in_time(fleet: Fleet) -> None:
+    """Each instance exits 0 without vLLM killing its engine core or this harness killing
+    anything, and leaves no process behind; the shutdown times are printed per connector."""
+    with ThreadPoolExecutor(len(fleet)) as pool:  # side by side: each stop takes seconds
+        reports = dict(zip(fleet, pool.map(VllmInstance.stop, fleet.values()), strict=True))
+    for (role, name), report in reports.items():
+        print(f"\n{role} {name or '(no connector)'} stop: {report}")
+        assert report.exit_code == 0 and not report.killed and not report.leftover_pids, report
+        assert report.engine_exit_codes == [0], report  # vLLM did not have to kill its engine core
