@@ -55,7 +55,7 @@ PROGRESS_DELAY_US = 100
 #: The engine pings a serving child this often and replaces one that does not answer within
 #: the deadline (stopped, or stuck in UCX: it would never exit by itself).
 PING_INTERVAL = 0.5
-PING_DEADLINE = 5.0
+PING_DEADLINE = 10.0
 
 
 @dataclass(frozen=True, slots=True)

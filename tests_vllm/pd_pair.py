@@ -46,14 +46,14 @@ from typing import Any, Literal
 from aionixl._bench._child import module_command
 from aionixl._lines import LineReader, decode_line, encode_line, write_file
 
-Role = Literal["prefill", "decode", "single"]
+Role = Literal["prefill", "decode", "both", "single"]
 
 #: What each role is to vLLM's connector; ``single`` runs without one (the reference).
-KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {"prefill": "kv_producer",
-                                                              "decode": "kv_consumer"}
+KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer", "kv_both"]] = {
+    "prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 #: One core each on a 2-core machine: the two halves of a pair never share OpenMP cores, and
 #: every instance computes with one thread (GEMMs may round differently with more).
-DEFAULT_OMP_BIND: dict[str, str] = {"prefill": "0", "decode": "1", "single": "0"}
+DEFAULT_OMP_BIND: dict[str, str] = {"prefill": "0", "decode": "1", "both": "1", "single": "0"}
 #: CPU attention needs blocks of a multiple of 32 tokens.
 BLOCK_SIZE = 32
 MODULE = "tests_vllm.pd_pair"
@@ -77,6 +77,7 @@ class Output:
     kv_transfer_params: dict[str, Any] | None
     num_cached_tokens: int | None
     margins: list[float] | None  # top-1 minus top-2 logprob per token (with logprobs >= 2)
+    finish_reason: str | None = None  # vLLM's: "length" here, "error" for a failed request
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,20 @@ class VllmInstance:
                     pids.append(proc.pid)
         return pids
 
+    def kill(self) -> StopReport:
+        """SIGKILL the instance and all its processes (its session) at once, as a crash
+        would; the report says ``killed``."""
+        if self.stopped is not None:
+            return self.stopped
+        start = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        code = self.proc.wait()
+        os.close(self._fd)
+        self.stopped = StopReport(exit_code=code, shutdown_s=None, stop_s=time.monotonic() - start,
+                                  engine_exit_codes=[], threads_left=[], leftover_pids=[], killed=True)
+        return self.stopped
+
     def stop(self, timeout: float = 60.0) -> StopReport:
         """Ask for a clean shutdown and time it; killed (with its whole session) past
         ``timeout``. Idempotent: a second call returns the first report."""
@@ -415,7 +430,8 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.monotonic() - start
     outputs = [{"token_ids": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
-                "num_cached_tokens": r.num_cached_tokens, "margins": _margins(r.outputs[0].logprobs)}
+                "num_cached_tokens": r.num_cached_tokens, "margins": _margins(r.outputs[0].logprobs),
+                "finish_reason": r.outputs[0].finish_reason}
                for r in results]
     return {"outputs": outputs, "elapsed_s": elapsed}
 
@@ -472,7 +488,7 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fd", type=int, required=True, help="where the messages go")
-    p.add_argument("--role", choices=("prefill", "decode", "single"), required=True)
+    p.add_argument("--role", choices=("prefill", "decode", "both", "single"), required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--kv-connector")
     p.add_argument("--kv-connector-module-path")

@@ -58,25 +58,24 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-Fleet = dict[tuple[str, str], VllmInstance]
+Fleet = dict[str, VllmInstance]
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """A prefill and a decode instance of each connector, and a plain single instance, all
-    started side by side: a decode reads from whichever prefill a request's
-    ``kv_transfer_params`` name, so each prefill with each decode is a P/D pair (four
-    instances for the four pairs, not eight). Stopped on the way out (the last test checks
-    those stops)."""
+    """A prefill and a decode instance of each connector, started side by side. A decode reads
+    from whichever prefill a request's ``kv_transfer_params`` name, so these four make every
+    pair; an instance asked without transfer params computes as a plain single instance
+    does (the NixlConnector prefill gives the tokens a pair must reproduce). Stopped on the
+    way out (the last test checks those stops)."""
     log_dir = tmp_path_factory.mktemp("pd-logs")
     started = time.monotonic()
     instances: Fleet = {}
     try:
-        instances[("single", "")] = VllmInstance(tiny_model, "single", log_path=log_dir / "single.log")
         for name in CONNECTORS:
             for role in ("prefill", "decode"):
-                instances[(role, name)] = VllmInstance(tiny_model, role, spec(name),  # type: ignore[arg-type]
-                                                       log_path=log_dir / f"{role}-{name}.log")
+                instances[f"{role} {name}"] = VllmInstance(tiny_model, role, spec(name),  # type: ignore[arg-type]
+                                                           log_path=log_dir / f"{role}-{name}.log")
         for instance in instances.values():
             instance.wait_ready(600)
         print(f"\n{len(instances)} instances ready in {time.monotonic() - started:.1f} s")
@@ -88,16 +87,16 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def cases(fleet: Fleet) -> list[Case]:
-    """K cases whose A and B generate different tokens on the plain single instance, with no
-    near-tie on either's way."""
+    """K cases whose A and B generate different tokens on a plain instance (vLLM's own
+    prefill, asked without transfer params), with no near-tie on either's way."""
     rng = random.Random(1234)
     pairs = []
     for _ in range(CANDIDATES):
         a = [rng.randrange(VOCAB) for _ in range(PROMPT_LEN)]
         b = [rng.randrange(VOCAB) for _ in range(PROMPT_LEN - 1)] + [a[-1]]
         pairs.append((a, b))
-    outs = fleet[("single", "")].generate([p for pair in pairs for p in pair], max_tokens=MAX_TOKENS,
-                                          logprobs=2)
+    outs = fleet["prefill NixlConnector"].generate([p for pair in pairs for p in pair], max_tokens=MAX_TOKENS,
+                                           logprobs=2)
     usable = []
     for (a, b), out_a, out_b in zip(pairs, outs[0::2], outs[1::2], strict=True):
         assert out_a.margins is not None and out_b.margins is not None
@@ -123,7 +122,7 @@ def spec(name: str) -> ConnectorSpec:
 @pytest.mark.parametrize(("prefill_connector", "decode_connector"), PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])
 def test_decode_generates_from_the_prefills_kv(prefill_connector: str, decode_connector: str,
                                                fleet: Fleet, cases: list[Case]) -> None:
-    prefill, decode = fleet[("prefill", prefill_connector)], fleet[("decode", decode_connector)]
+    prefill, decode = fleet[f"prefill {prefill_connector}"], fleet[f"decode {decode_connector}"]
     prefilled = prefill.prefill([c.a for c in cases])
     for out in prefilled:
         assert out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"), out
@@ -150,15 +149,15 @@ def worker(instance: VllmInstance) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_the_aionixl_connector_adds_at_most_four_threads_to_a_worker(fleet: Fleet) -> None:
-    """Its loop thread plus what its NIXL agents and zmq start, against a worker with no
-    connector (vLLM's NixlConnector adds about 8: its agent's, a handshake executor...)."""
-    plain = worker(fleet[("single", "")])["threads"]
-    added = {f"{role} {name}": worker(fleet[(role, name)])["threads"] - plain
-             for role, name in fleet if name}
-    print(f"\nthreads a connector adds to a worker ({plain} without one): {added}")
+def test_an_aionixl_worker_runs_fewer_threads_than_a_nixl_connector_worker(fleet: Fleet) -> None:
+    """Its loop thread plus what its NIXL agents and zmq start. Measured against a worker
+    with no connector (46 threads here): aionixl adds 4 on a prefill and 2 on a decode,
+    vLLM's NixlConnector 7-8 (its agent's threads, a handshake executor...); the check
+    keeps the difference."""
+    counts = {name: worker(instance)["threads"] for name, instance in fleet.items()}
+    print(f"\nworker threads: {counts}")
     for role in ("prefill", "decode"):
-        assert added[f"{role} AionixlConnector"] <= 4, added
+        assert counts[f"{role} AionixlConnector"] <= counts[f"{role} NixlConnector"] - 3, counts
 
 
 @pytest.mark.slow
@@ -174,11 +173,28 @@ def test_an_idle_aionixl_worker_uses_at_most_5_percent_of_a_core(fleet: Fleet) -
     started = time.monotonic()
     time.sleep(3.0)
     wall = time.monotonic() - started
-    used = {f"{role} {name or '(no connector)'}": round((sum(p.cpu_times()[:2]) - before[key]) / wall, 3)
-            for key, p in procs.items() for role, name in [key]}
+    used = {key: round((sum(p.cpu_times()[:2]) - before[key]) / wall, 3) for key, p in procs.items()}
     print(f"\nidle worker CPU, cores: {used}")
-    for role in ("prefill", "decode"):
-        assert used[f"{role} AionixlConnector"] <= 0.05, used
+    for name in ("prefill AionixlConnector", "decode AionixlConnector"):
+        assert used[name] <= 0.05, used
+
+
+@pytest.mark.slow
+def test_a_decode_whose_aionixl_prefill_was_sigkilled_fails_that_request_and_serves_on(
+        fleet: Fleet, cases: list[Case]) -> None:
+    """The prefill dies (SIGKILL, its whole instance) after it computed A: the aionixl decode's
+    read fails, vLLM fails the request by its kv_load_failure_policy ("fail", the default),
+    and the decode goes on serving."""
+    prefill, decode = fleet["prefill AionixlConnector"], fleet["decode AionixlConnector"]
+    case = cases[0]
+    (prefilled,) = prefill.prefill([case.a])
+    assert prefill.kill().killed
+    (failed,) = decode.generate([case.b], max_tokens=MAX_TOKENS,
+                                kv_transfer_params=[prefilled.kv_transfer_params], timeout=120)
+    print(f"\nthe request whose prefill died: {failed}")
+    assert failed.finish_reason == "error" and failed.token_ids != case.want_a, failed
+    plain = decode.generate([c.b for c in cases], max_tokens=MAX_TOKENS)
+    assert [o.token_ids for o in plain] == [c.got_b for c in cases]
 
 
 @pytest.mark.slow
@@ -187,7 +203,9 @@ def test_every_instance_stops_cleanly_and_in_time(fleet: Fleet) -> None:
     anything, and leaves no process behind; the shutdown times are printed per connector."""
     with ThreadPoolExecutor(len(fleet)) as pool:  # side by side: each stop takes seconds
         reports = dict(zip(fleet, pool.map(VllmInstance.stop, fleet.values()), strict=True))
-    for (role, name), report in reports.items():
-        print(f"\n{role} {name or '(no connector)'} stop: {report}")
+    for name, report in reports.items():
+        print(f"\n{name} stop: {report}")
+        if name == "prefill AionixlConnector":
+            continue  # SIGKILLed by the test above
         assert report.exit_code == 0 and not report.killed and not report.leftover_pids, report
         assert report.engine_exit_codes == [0], report  # vLLM did not have to kill its engine core
