@@ -46,14 +46,14 @@ from typing import Any, Literal
 from aionixl._bench._child import module_command
 from aionixl._lines import LineReader, decode_line, encode_line, write_file
 
-Role = Literal["prefill", "decode", "both", "single"]
+Role = Literal["prefill", "decode", "single"]
 
 #: What each role is to vLLM's connector; ``single`` runs without one (the reference).
-KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer", "kv_both"]] = {
-    "prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {"prefill": "kv_producer",
+                                                              "decode": "kv_consumer"}
 #: One core each on a 2-core machine: the two halves of a pair never share OpenMP cores, and
 #: every instance computes with one thread (GEMMs may round differently with more).
-DEFAULT_OMP_BIND: dict[str, str] = {"prefill": "0", "decode": "1", "both": "1", "single": "0"}
+DEFAULT_OMP_BIND: dict[str, str] = {"prefill": "0", "decode": "1", "single": "0"}
 #: CPU attention needs blocks of a multiple of 32 tokens.
 BLOCK_SIZE = 32
 MODULE = "tests_vllm.pd_pair"
@@ -488,7 +488,7 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fd", type=int, required=True, help="where the messages go")
-    p.add_argument("--role", choices=("prefill", "decode", "both", "single"), required=True)
+    p.add_argument("--role", choices=("prefill", "decode", "single"), required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--kv-connector")
     p.add_argument("--kv-connector-module-path")
