@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -1076,6 +1078,18 @@ async def test_close_during_a_connect_backoff_raises_engine_closed() -> None:
         assert len(errors) == 1 and isinstance(errors[0], aionixl.EngineClosedError), errors
 
 
+@asynccontextmanager
+async def _wired_for_inline_transfers() -> AsyncIterator[
+        tuple[list[np.ndarray], list[np.ndarray], aionixl.Engine, aionixl.Peer]]:
+    """Source and destination caches, the reading engine and its peer, wired up by a first
+    read, so that the next reads finish inside their post (never through the poller)."""
+    src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
+    tuning = aionixl.lowlevel.Tuning(inline_polls=100_000)
+    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_, dst, peer):
+        await dst.transfer_blocks(peer, [0], [0])
+        yield src_cache, dst_cache, dst, peer
+
+
 async def test_a_finished_transfer_is_not_turned_into_a_cancellation(anyio_backend_name: str) -> None:
     """A transfer that finishes inside the post using up the slice returns its result,
     cancelled scope or not (a caller told it failed would retry, and write and notify
@@ -1084,10 +1098,7 @@ async def test_a_finished_transfer_is_not_turned_into_a_cancellation(anyio_backe
     starts: there the first call already meets it, before posting: see below.)"""
     if anyio_backend_name == "trio":
         pytest.skip("on trio a call in a cancelled scope never posts: the test below")
-    src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
-    tuning = aionixl.lowlevel.Tuning(inline_polls=100_000)  # finish inline, never via the poller
-    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_, dst, peer):
-        await dst.transfer_blocks(peer, [0], [0])  # wired up: the next one finishes inline
+    async with _wired_for_inline_transfers() as (src_cache, dst_cache, dst, peer):
         before = dst_cache[0][3].copy()
         posted = posted_requests(dst, "local")
         results: list[aionixl.TransferResult] = []
@@ -1109,10 +1120,7 @@ async def test_on_trio_every_call_is_a_cancellation_point_even_one_that_would_fi
     """Trio's rule: every async call of a library is at least a cancellation point. A call
     in a cancelled scope raises as it starts, with its slice of the loop not used up and
     a transfer that would finish inside its post: nothing is posted, no byte moves."""
-    src_cache, dst_cache = numpy_cache(seed=4), numpy_cache()
-    tuning = aionixl.lowlevel.Tuning(inline_polls=100_000)  # finish inline, never via the poller
-    async with engine_pair(src_cache, dst_cache, tuning=tuning) as (_, dst, peer):
-        await dst.transfer_blocks(peer, [0], [0])  # wired up: the next one finishes inline
+    async with _wired_for_inline_transfers() as (src_cache, dst_cache, dst, peer):
         before = dst_cache[0][1].copy()
         posted = posted_requests(dst, "local")
         dst._turns.holder = None
