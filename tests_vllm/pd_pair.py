@@ -99,17 +99,26 @@ _ports_given: set[int] = set()
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (vLLM's side channel binds it a little later), never one
-    this process gave out before: two instances started together must not get the same one."""
+    """A TCP port free on 127.0.0.1 now (the side channel binds it tens of seconds later), never
+    one this process gave out before: two instances started together must not get the same
+    one. Drawn below the kernel's ephemeral range (``ip_local_port_range``): a port the kernel
+    gave out would be free again, and could go to any socket that connects meanwhile (a CI run
+    lost a side channel's port that way)."""
+    import random
     import socket
 
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     while True:
+        port = random.randrange(max(1024, low - 12_000), low)
+        if port in _ports_given:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _ports_given:
-            _ports_given.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
 
 
 # --- the model ------------------------------------------------------------------------------
