@@ -106,7 +106,7 @@ async def test_an_aborted_serving_process_is_replaced_under_a_new_engine_id_and_
         first = sidecar.pid
         orphan = prefill.lease("orphan", [2], duration=0.5)  # its reader goes with the child
         os.kill(first, signal.SIGABRT)
-        with anyio.fail_after(40):
+        with anyio.fail_after(2 * _vllm_sidecar.PING_DEADLINE + 20):
             while aionixl.vllm.engine_id(prefill) != "prefill-0~1":
                 await anyio.sleep(0.01)
         assert prefill.metrics().vllm_serving_restarts == 1 and sidecar.pid not in (None, first)
@@ -132,7 +132,7 @@ async def test_a_stopped_serving_process_misses_its_liveness_pings_and_is_replac
         assert sidecar.pid == first and prefill.metrics().vllm_serving_restarts == 0
         os.kill(first, signal.SIGSTOP)
         stopped = anyio.current_time()
-        with anyio.fail_after(40):
+        with anyio.fail_after(2 * _vllm_sidecar.PING_DEADLINE + 20):
             while aionixl.vllm.engine_id(prefill) != "prefill-0~1":
                 await anyio.sleep(0.01)
         replaced_in = anyio.current_time() - stopped
