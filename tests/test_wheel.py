@@ -84,7 +84,7 @@ def test_bench_runs_from_the_installed_wheel(installed: tuple[Path, Path]) -> No
     proc = subprocess.run(
         [sys.executable, "-m", "aionixl", "bench", "--quick", "--no-progress", "--repeats", "1",
          "--contenders", "bare,threaded,asyncio", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=_env(site), cwd=work)
+        capture_output=True, text=True, timeout=600, env=_env(site), cwd=work)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     report = json.loads(out.read_text())
