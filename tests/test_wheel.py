@@ -55,9 +55,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
 
 
 def _env(site: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    # No transport settings a test in this worker may have left behind (UCX_TLS=tcp makes
+    # the P/D workload many times slower): the bench picks UCX's defaults, as a user's would.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "NIXL_"))}
     env["PYTHONPATH"] = str(site)
-    env.pop("UCX_TLS", None)
     return env
 
 
