@@ -360,7 +360,8 @@ class Pusher:
                 return n, slots
             if anyio.current_time() >= end:
                 if not n:
-                    raise self._no_slots(staging, peer, f"it stranded its share, 3/4 of the {staging.slots}")
+                    raise self._no_slots(staging, peer, f"it stranded its share, {staging.server_share} "
+                                                        f"of the {staging.slots}")
                 raise self._timed_out(peer, limit)
             self._peers.still_usable(peer)  # closing; else slots were stranded meanwhile: fewer a round
 

@@ -30,6 +30,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from ._config import Tuning
 from ._parts import BlockPart
 from ._regions import Region, block_view
 
@@ -47,10 +48,12 @@ class Staging:
     whose regions are all DRAM: the copy out is a host memcpy.
     """
 
-    def __init__(self, regions: Sequence[Region], budget: int, ttl: float = 900.0,
+    def __init__(self, regions: Sequence[Region], budget: int, ttl: float = Tuning.stranded_slot_ttl,
                  clock: Callable[[], float] = time.monotonic) -> None:
         per_slot = sum(r.block_bytes for r in regions)
         self.slots = max(1, min(budget // per_slot, regions[0].num_blocks, MAX_SLOTS))
+        #: The most slots one server may strand: three quarters of them (at least one).
+        self.server_share = max(1, self.slots * 3 // 4)
         self._buffer = np.zeros(self.slots * per_slot, dtype=np.uint8)
         base = self._buffer.ctypes.data
         self.regions: tuple[Region, ...] = ()
@@ -83,10 +86,10 @@ class Staging:
         return sum(int(slots.size) for slots, _, _ in self._stranded.values())
 
     def room_for(self, server: str) -> int:
-        """Slots ``server``'s next round may strand at most: three quarters of all, less its
+        """Slots ``server``'s next round may strand at most: its :attr:`server_share`, less its
         own stranded ones (so one vanished or lossy server never takes them all)."""
         own = sum(int(slots.size) for (name, _), (slots, _, _) in self._stranded.items() if name == server)
-        return max(0, max(1, self.slots * 3 // 4) - own)
+        return max(0, self.server_share - own)
 
     def expire(self, gone: Callable[[str], bool]) -> None:
         """Give back the slots stranded more than the ttl ago by servers that are ``gone``
