@@ -172,7 +172,6 @@ class _Worker:
         self._leases: dict[str, aionixl.Lease] = {}
         self._delayed: set[str] = set()  # requests whose blocks the scheduler holds for us
         self._released_early: set[str] = set()  # read before the scheduler said so
-        self._peers: dict[tuple[str, int], aionixl.Peer] = {}
         self._connecting: dict[tuple[str, int], anyio.Lock] = {}
 
     # ---- the worker's thread ---------------------------------------------------------------
@@ -306,14 +305,11 @@ class _Worker:
             self._released_early.add(req_id)
 
     async def _peer(self, engine: aionixl.Engine, host: str, port: int) -> aionixl.Peer:
-        """The prefill at ``host:port`` (vLLM's side channel), handshaken once."""
-        key = (host, port)
-        async with self._connecting.setdefault(key, anyio.Lock()):
-            peer = self._peers.get(key)
-            if peer is None or not peer.connected:
-                peer = await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", timeout=10.0)
-                self._peers[key] = peer
-            return peer
+        """The prefill at ``host:port`` (vLLM's side channel). ``aionixl.vllm.connect``
+        returns a live peer it admitted at once; the lock makes the requests that arrive
+        together wait for one handshake instead of each making its own."""
+        async with self._connecting.setdefault((host, port), anyio.Lock()):
+            return await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", timeout=10.0)
 
     async def _read(self, engine: aionixl.Engine, req_id: str, req: Any) -> None:
         """Read one request's blocks from its prefill, the read-done riding on the read;
