@@ -261,11 +261,12 @@ class _Worker:
         for req_id in meta.reqs_in_batch:  # a prefill to be read: hold it from now on (a read-
             self._hold(engine, tg, req_id)  # done may come before the scheduler's word below)
         for req_id in meta.reqs_to_send:
-            self._hold(engine, tg, req_id)
-            self._delayed.add(req_id)
-            if req_id in self._released_early:
+            if req_id in self._released_early:  # read already: free now, hold nothing
                 self._released_early.discard(req_id)
                 self._finished_sending.append(req_id)
+            else:
+                self._hold(engine, tg, req_id)
+                self._delayed.add(req_id)
         for req_id in meta.reqs_not_processed:  # aborted: the scheduler frees the blocks
             self._delayed.discard(req_id)
             self._released_early.discard(req_id)

@@ -1,0 +1,61 @@
+"""``AionixlConnector``'s worker on its own, without a vLLM instance: its loop-side handling
+of vLLM's per-step connector metadata, on a real aionixl engine pair (the prefill engine
+holds the leases, the other sends the decode's notifications). Whole vLLM pairs are in
+tests_vllm/test_pd_pair.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+
+import aionixl
+from aionixl.testing import engine_pair
+from aionixl.vllm_connector import _Worker
+
+pytestmark = pytest.mark.anyio
+
+
+def step(**fields: Any) -> Any:
+    """One step's connector metadata, with the fields the worker reads (empty unless given)."""
+    meta = {"reqs_in_batch": set(), "reqs_to_send": {}, "reqs_not_processed": set(), "reqs_to_recv": {},
+            "heartbeat_by_engine": {}}
+    return SimpleNamespace(**{**meta, **fields})
+
+
+def producer() -> _Worker:
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role="kv_producer",
+                                           kv_connector_extra_config={"kv_lease_duration": 30}),
+        parallel_config=SimpleNamespace(data_parallel_index=0))
+    return _Worker(config, "prefill-engine")  # type: ignore[arg-type]
+
+
+async def test_a_read_done_before_the_schedulers_word_frees_the_blocks_once(anyio_backend: str) -> None:
+    """The decode's read-done can arrive between ``reqs_in_batch`` and ``reqs_to_send``: the
+    blocks are reported free once, when the scheduler says it holds them, and no second
+    lease is opened for them (it would expire 30 s later and report them again)."""
+    async with engine_pair() as pair, anyio.create_task_group() as tg:
+        decode, prefill, peer = pair.a, pair.b, pair.peer
+        worker = producer()
+        worker._engine, worker._tg = prefill, tg
+        await worker._apply(step(reqs_in_batch={"r1"}))
+        assert "r1" in prefill.leases
+        await decode.send_notification(peer, aionixl.read_done("r1"))
+        with anyio.fail_after(10):
+            while "r1" in prefill.leases:
+                await anyio.sleep(0.005)
+        await anyio.sleep(0)  # the lease's watcher runs
+        assert worker.results().finished_sending == set()  # the scheduler has not said so yet
+        await worker._apply(step(reqs_to_send={"r1": 0.0}))
+        assert worker.results().finished_sending == {"r1"}
+        assert "r1" not in prefill.leases
+        await worker._apply(step(reqs_in_batch={"r2"}, reqs_to_send={"r2": 0.0}))
+        await decode.send_notification(peer, aionixl.read_done("r2"))  # the usual order
+        with anyio.fail_after(10):
+            while not (done := worker.results().finished_sending):
+                await anyio.sleep(0.005)
+        assert done == {"r2"} and not prefill.leases
+        tg.cancel_scope.cancel()
