@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -190,9 +190,7 @@ class VllmInstance:
             os.close(write_fd)
         self._fd = read_fd
         self._reader = LineReader()
-        self._started = time.monotonic()
         self.ready: dict[str, Any] = {}
-        self.startup_s: float | None = None
         self.stopped: StopReport | None = None
 
     @property
@@ -226,10 +224,9 @@ class VllmInstance:
         return msg
 
     def wait_ready(self, timeout: float = 600.0) -> VllmInstance:
-        """Wait until the ``LLM`` is built; its start-up time (process start to ready) is kept."""
+        """Wait until the ``LLM`` is built."""
         if not self.ready:
             self.ready = self._message(timeout)["ready"]
-            self.startup_s = time.monotonic() - self._started
         return self
 
     def _ask(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -323,56 +320,6 @@ class VllmInstance:
                                   engine_exit_codes=engine_codes, threads_left=threads_left,
                                   leftover_pids=left, killed=killed)
         return self.stopped
-
-    def __enter__(self) -> VllmInstance:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-@dataclass
-class Pair:
-    """A started prefill and decode; ``startup_s`` is the wall time until both were ready."""
-
-    prefill: VllmInstance
-    decode: VllmInstance
-    startup_s: float
-
-
-@contextlib.contextmanager
-def pd_pair(model: Path, prefill: ConnectorSpec, decode: ConnectorSpec, *, log_dir: Path | None = None,
-            timeout: float = 600.0, **options: Any) -> Iterator[Pair]:
-    """A prefill and a decode instance, started side by side, stopped (or killed) on the way out.
-
-    ``options`` go to both :class:`VllmInstance` constructors (dtype, max_model_len, ...)."""
-    started = time.monotonic()
-    instances: list[VllmInstance] = []
-    try:
-        for role, connector in (("prefill", prefill), ("decode", decode)):
-            log = log_dir / f"{role}.log" if log_dir else None
-            instances.append(VllmInstance(model, role, connector, log_path=log, **options))  # type: ignore[arg-type]
-        for instance in instances:
-            instance.wait_ready(timeout)
-        yield Pair(instances[0], instances[1], time.monotonic() - started)
-    finally:
-        for instance in instances:
-            instance.stop()
-
-
-def reference_outputs(model: Path, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
-                      logprobs: int | None = 2, log_dir: Path | None = None, timeout: float = 600.0,
-                      **options: Any) -> list[Output]:
-    """What a plain instance (no connector) generates for ``prompts``: the outputs a pair must
-    reproduce. In a child process like the pair's, with the same options and start-up path."""
-    log = log_dir / "single.log" if log_dir else None
-    with VllmInstance(model, "single", log_path=log, **options) as single:
-        single.wait_ready(timeout)
-        outputs = single.generate(prompts, max_tokens=max_tokens, logprobs=logprobs, timeout=timeout)
-        report = single.stop()
-    if report.exit_code != 0 or report.leftover_pids:
-        raise RuntimeError(f"the reference instance did not stop cleanly: {report}")
-    return outputs
 
 
 # --- the child's side -----------------------------------------------------------------------
