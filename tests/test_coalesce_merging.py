@@ -21,6 +21,7 @@ from .helpers import (
     BLOCKS,
     REGIONS,
     TOGETHER,
+    TOGETHER_WHATEVER_THE_LOAD,
     engine_pair,
     merged,
     numpy_cache,
@@ -103,7 +104,7 @@ async def test_callers_moving_the_same_block_pair_ride_once(op: str) -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=41)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=42)
     src_before, dst_before = [r.copy() for r in src_cache], [r.copy() for r in dst_cache]
-    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER_WHATEVER_THE_LOAD) as (src, dst, peer):
         await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
         posted = posted_requests(dst, "local" if op == "read" else "remote")
         results: dict[int, Any] = {}
@@ -285,7 +286,7 @@ async def test_callers_sharing_destination_blocks_fill_few_requests() -> None:
     run of equal blocks would open one request per caller: 13 here.)"""
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
-    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER_WHATEVER_THE_LOAD) as (_src, dst, peer):
         await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
         posted = posted_requests(dst, "local")
         results: dict[int, Any] = {}
@@ -321,7 +322,7 @@ class _Index:
 async def test_writers_of_one_block_given_as_index_objects_are_never_merged() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
-    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER) as (_src, dst, peer):
+    async with engine_pair(src_cache, dst_cache, tuning=TOGETHER_WHATEVER_THE_LOAD) as (_src, dst, peer):
         await dst.transfer_blocks(peer, [60], [60])  # the next caller comes "together" with it
         posted = posted_requests(dst, "remote")
         async with anyio.create_task_group() as tg:
