@@ -427,3 +427,20 @@ class NixlAgent:
                   "worker and threads stay until they are released", self.name,
                   len(gc.get_referrers(ref())))
         return False
+
+
+#: The idle period of NIXL's progress thread in an agent that serves readers nobody here
+#: polls for (vLLM decoders: over UCX TCP their reads need the target to make progress).
+#: The thread waits on the UCX worker's event fd, so traffic wakes it at once; this is only
+#: its timeout (NIXL rounds it up to whole milliseconds; 0 would spin a core). Measured
+#: here, serving a real vLLM decode: one-block reads as fast with 10 ms as with 1 ms, the
+#: idle process at under 1% of a core instead of 3%.
+SERVING_PROGRESS_DELAY_US = 10_000
+
+
+def serving_agent(name: str, backends: tuple[str, ...], progress_thread: bool,
+                  telemetry: bool) -> NixlAgent:
+    """A :class:`NixlAgent` for serving readers (an ``AgentFactory``): NIXL's progress
+    thread on, idling at ``SERVING_PROGRESS_DELAY_US``."""
+    return NixlAgent(name, backends, progress_thread, telemetry,
+                     progress_delay_us=SERVING_PROGRESS_DELAY_US)

@@ -22,7 +22,9 @@ aionixl's handshake.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import anyio
@@ -37,7 +39,7 @@ from ._checks import check_int
 from ._config import EngineConfig, Tuning
 from ._errors import AionixlError, ListenError
 from ._lifecycle import LocalSide
-from ._nixl import NixlAgent
+from ._nixl import serving_agent
 from ._notifications import Notification
 from ._ratelimit import RateLimitedLog
 from ._regions import registration_spans
@@ -55,14 +57,31 @@ from ._vllm_wire import (
 
 log = logging.getLogger("aionixl")
 
+#: The side channels this process serves, for :func:`announced_id`.
+_SERVERS: weakref.WeakSet[VllmServer] = weakref.WeakSet()
+
+
+def announced_id(engine_id: str) -> str:
+    """The engine id decoders must be told for ``engine_id``: the id the engine of this
+    process serving under that user id announces now, or ``engine_id`` itself (an id
+    already announced, or one served elsewhere). ``ValueError`` when two engines of this
+    process serve under it: which one is meant is not known."""
+    current = [s.engine_id for s in _SERVERS if s.user_engine_id == engine_id and s.engine_id is not None]
+    if len(current) > 1:
+        raise ValueError(f"{len(current)} engines of this process serve vLLM decoders under engine id "
+                         f"{engine_id!r}: name the one meant with aionixl.vllm.engine_id(engine)")
+    return current[0] if current else engine_id
+
 
 class ServingAgent:
     """The NIXL agent that serves vLLM decoders from this process: the engine's regions
-    registered with an agent of their own (see the module docstring), progressed by the
-    engine's drainer through :meth:`poll`."""
+    registered with an agent of their own (see the module docstring). Its NIXL progress
+    thread serves their reads as they come (over UCX TCP a read waits for its target to
+    progress: polled from the event loop, it waited for the loop's next poll); the engine's
+    drainer collects its notifications through :meth:`poll`."""
 
-    def __init__(self, local: LocalSide, backends: tuple[str, ...], make: AgentFactory) -> None:
-        agent = make(f"{local.name}-vllm", backends, False, False)
+    def __init__(self, local: LocalSide, backends: tuple[str, ...], make: AgentFactory, suffix: str) -> None:
+        agent = make(f"{local.name}-vllm-{suffix}", backends, True, False)
         try:
             agent.register(registration_spans(local.regions), local.mem_type)
         except BaseException:
@@ -72,8 +91,7 @@ class ServingAgent:
         self.metadata = agent.metadata()
 
     def poll(self) -> Mapping[str, list[bytes]]:
-        """One NIXL progress call (a decoder's read over UCX TCP needs its target to make
-        progress); the notifications that arrived, by sender."""
+        """The notifications that arrived, by sender."""
         return {} if self._agent is None else self._agent.get_notifs()
 
     def live(self) -> dict[str, int]:
@@ -108,7 +126,9 @@ class VllmServer:
         self._payload = b""  # empty while a serving child is (re)starting: requests are refused
         self._rank = (0, 0)
         self._describe: Callable[[str, bytes, list[proto.RegionInfo]], bytes] | None = None
-        self._engine_id = ""
+        self._exact_id = False
+        #: The engine id :func:`aionixl.vllm.serve` was given.
+        self.user_engine_id = ""
         #: The bound endpoint once serving; None before.
         self.address: str | None = None
         #: The engine id decoders must be told now (``aionixl.vllm.engine_id``).
@@ -126,7 +146,7 @@ class VllmServer:
 
     def configure(self, *, engine_id: str, compat_hash: str, block_size: int, kv_cache_layout: str,
                   attn_backend_name: str, pp_rank: int, tp_rank: int,
-                  layer_names: Sequence[str] | None, isolate: bool) -> None:
+                  layer_names: Sequence[str] | None, isolate: bool, exact_engine_id: bool) -> None:
         """Check the arguments and build the reply (with ``isolate``, the serving child
         that :meth:`Sidecar.run` starts); ``ValueError`` for a bad one, ``RuntimeError``
         when this engine serves vLLM already."""
@@ -135,8 +155,9 @@ class VllmServer:
                                f"(at {self.address})")
         check_int(pp_rank, "pp_rank", 0)
         check_int(tp_rank, "tp_rank", 0)
-        if not isinstance(isolate, bool):
-            raise ValueError(f"isolate must be a bool, got {isolate!r}")
+        for flag, what in ((isolate, "isolate"), (exact_engine_id, "exact_engine_id")):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{what} must be a bool, got {flag!r}")
         spans = locate_all(self._local.regions) if isolate else []
 
         def describe(served_id: str, metadata: bytes, regions: list[proto.RegionInfo]) -> bytes:
@@ -147,7 +168,8 @@ class VllmServer:
 
         ours = [proto.RegionInfo.of(r) for r in self._local.regions]
         payload = describe(engine_id, self._local.metadata, ours)  # checks the arguments
-        self._describe, self._engine_id, self._rank = describe, engine_id, (pp_rank, tp_rank)
+        self._describe, self._rank = describe, (pp_rank, tp_rank)
+        self.user_engine_id, self._exact_id = engine_id, exact_engine_id
         if isolate:
             self.sidecar = Sidecar(self._local.name, self._local.regions, spans,
                                    backends=self._config.backends,
@@ -156,16 +178,19 @@ class VllmServer:
                                    deliver=self._deliver, on_ready=self._served, on_down=self._down,
                                    noisy=self._noisy)
         else:
+            suffix = secrets.token_hex(4)
             self.agent = ServingAgent(self._local, self._config.backends,
-                                      self._tuning.agent_factory or NixlAgent)
-            payload = describe(engine_id, self.agent.metadata, ours)
-            self._payload, self.engine_id, self.serving = payload, engine_id, True
+                                      self._tuning.agent_factory or serving_agent, suffix)
+            served_id = self._announce(first=True, suffix=suffix)
+            payload = describe(served_id, self.agent.metadata, ours)
+            self._payload, self.engine_id, self.serving = payload, served_id, True
             if not self._rdma:
                 log.warning("engine %r serves vLLM decoders from its own process on a host without "
                             "RDMA: over UCX TCP a decode dying mid-read can make UCX abort this "
                             "process; aionixl.vllm.serve(..., isolate=True) serves them from a child process "
                             "instead (docs/vllm.md)", self._local.name)
         self.configured = True
+        _SERVERS.add(self)
 
     def stop(self) -> None:
         """Closing: a serving child stops now, even one still starting."""
@@ -183,6 +208,7 @@ class VllmServer:
                       "; ".join(problems))
         self.sidecar, self._payload, self.engine_id = None, b"", None
         self.configured = self.serving = False
+        _SERVERS.discard(self)
 
     def live(self) -> dict[str, int]:
         """What the serving agent in this process holds (``Engine.live_resources``)."""
@@ -202,15 +228,28 @@ class VllmServer:
 
     def release(self, problems: list[str]) -> None:
         """Closing: the serving agent in this process goes (decoders can no longer read)."""
+        self._payload, self.engine_id = b"", None
+        _SERVERS.discard(self)
         if self.agent is not None:
             self.agent.release(problems)
             self.agent = None
 
+    def _announce(self, *, first: bool, suffix: str) -> str:
+        """The engine id of a new serving agent: the user's with the agent name's suffix
+        (random, new for each agent). A vLLM decode keeps a remote agent by engine id,
+        and its NIXL refuses a second agent of one name: an agent that replaced another
+        under the same id or name, after a restart of the prefill or of its serving
+        child, would never be read. With ``exact_engine_id`` the first agent announces the
+        user's id as given (an id new at each start already, as vLLM's own)."""
+        if first and self._exact_id:
+            return self.user_engine_id
+        return f"{self.user_engine_id}~{suffix}"
+
     def _served(self, served: Served) -> None:
-        """A serving child is up: answer with its agent and addresses. A replacement gets
-        an engine id of its own, so that decoders holding the old one handshake again."""
+        """A serving child is up: answer with its agent and addresses, under an engine id
+        of its own (:meth:`_announce`)."""
         assert self._describe is not None
-        served_id = self._engine_id if not served.generation else f"{self._engine_id}~{served.generation}"
+        served_id = self._announce(first=not served.generation, suffix=served.suffix)
         self._payload = self._describe(served_id, served.metadata, served.regions)
         self.engine_id = served_id
 

@@ -24,6 +24,7 @@ import ctypes
 import logging
 import mmap
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ import numpy as np
 
 from ._errors import AionixlError
 from ._lines import LineReader, write_fd
-from ._nixl import NixlAgent
+from ._nixl import NixlAgent, serving_agent
 from ._notifications import Notification
 from ._protocol import RegionInfo
 from ._ratelimit import RateLimitedLog
@@ -50,8 +51,6 @@ from ._shared import SharedSpan
 START_TIMEOUT = 60.0
 #: Waits before starting a replacement: the first, doubling after failed starts up to the last.
 RESTART_DELAY = (0.2, 5.0)
-#: The child's NIXL progress thread sleeps this long when idle (0 would spin a core).
-PROGRESS_DELAY_US = 100
 #: The engine pings a serving child this often and replaces one that does not answer within
 #: the deadline (stopped, or stuck in UCX: it would never exit by itself). Generous: under a
 #: loaded CI run a serving child once left a ping unanswered for over 10 s while serving its
@@ -63,11 +62,14 @@ PING_DEADLINE = 30.0
 @dataclass(frozen=True, slots=True)
 class Served:
     """What a running child serves: its agent's metadata, the regions at its addresses,
-    and its generation (0 for the first child, counting replacements)."""
+    its generation (0 for the first child, counting replacements) and the suffix of its
+    agent's name, new for each child (a decode that read from an earlier one still holds
+    that agent's name: NIXL would refuse to load another under it)."""
 
     metadata: bytes
     regions: list[RegionInfo]
     generation: int
+    suffix: str
 
 
 class Sidecar:
@@ -120,7 +122,8 @@ class Sidecar:
 
     async def _child(self, generation: int, task_status: anyio.abc.TaskStatus[None] | None) -> None:
         """Run one child until it ends; raises ``AionixlError`` if it never served."""
-        spec = {"name": f"{self._name}-vllm-{generation}", "backends": list(self._backends),
+        suffix = secrets.token_hex(4)
+        spec = {"name": f"{self._name}-vllm-{suffix}", "backends": list(self._backends),
                 "poll_interval": self._poll_interval, "parent": os.getpid(),
                 "regions": [[s.fd, s.offset, r.stride, r.block_bytes, r.num_blocks]
                             for r, s in zip(self._regions, self._spans, strict=True)]}
@@ -148,7 +151,7 @@ class Sidecar:
                 ready: dict[str, Any] | None = None
                 with anyio.move_on_after(START_TIMEOUT):
                     ready = await child.receive()
-                served = None if ready is None else self._served(ready.get("ready"), generation)
+                served = None if ready is None else self._served(ready.get("ready"), generation, suffix)
             except ValueError as exc:  # a malformed line or report
                 raise AionixlError(f"the vLLM serving process (pid {proc.pid}) did not start: "
                                    f"bad report: {exc}") from exc
@@ -205,7 +208,7 @@ class Sidecar:
                 child.kill_unresponsive()
                 return
 
-    def _served(self, report: Any, generation: int) -> Served | None:
+    def _served(self, report: Any, generation: int, suffix: str) -> Served | None:
         """What a ready report says; ``ValueError`` for a malformed one."""
         if report is None:
             return None
@@ -219,7 +222,7 @@ class Sidecar:
             raise ValueError(f"bases {bases!r}")
         regions = [RegionInfo(base, r.stride, r.block_bytes, r.num_blocks, "DRAM", 0)
                    for base, r in zip(bases, self._regions, strict=True)]
-        return Served(metadata, regions, generation)
+        return Served(metadata, regions, generation, suffix)
 
 
 def _child_env() -> dict[str, str]:
@@ -326,8 +329,7 @@ def _map_regions(rows: list[list[int]]) -> tuple[list[Region], list[Any]]:
 
 async def _serve(spec: dict[str, Any], ctl: int) -> None:
     regions, keep = _map_regions(spec["regions"])
-    agent = NixlAgent(spec["name"], tuple(spec["backends"]), progress_thread=True,
-                  progress_delay_us=PROGRESS_DELAY_US)
+    agent = serving_agent(spec["name"], tuple(spec["backends"]), True, False)
     try:
         agent.register(registration_spans(regions), "DRAM")
         write_fd(ctl, {"ready": {"metadata": base64.b64encode(agent.metadata()).decode(),

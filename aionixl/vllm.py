@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._checks import check_int, check_text
 from ._vllm_connect import MAX_REPLY_BYTES, fetch_metadata
+from ._vllm_serve import announced_id
 from ._vllm_wire import (
     VllmAgentMetadata,
     VllmHandshake,
@@ -94,13 +95,14 @@ async def heartbeat(engine: Engine, peer: Peer, request_ids: Iterable[str]) -> N
 
 async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
                 block_size: int, kv_cache_layout: str, attn_backend_name: str, tp_rank: int = 0,
-                pp_rank: int = 0, layer_names: Sequence[str] | None = None, isolate: bool = False) -> str:
+                pp_rank: int = 0, layer_names: Sequence[str] | None = None, isolate: bool = False,
+                exact_engine_id: bool = False) -> str:
     """Answer vLLM NixlConnector decode workers' handshakes on ``listen`` for ``engine``;
     returns the bound endpoint (``tcp://host:port``).
 
-    A vLLM decode (``kv_role="kv_consumer"``) told ``remote_engine_id=engine_id`` and this
-    host and port (:func:`transfer_params`) fetches the serving agent's metadata here and
-    then reads the blocks itself; its completion notification releases the engine's
+    A vLLM decode (``kv_role="kv_consumer"``) told the engine id served (:func:`engine_id`)
+    and this host and port (:func:`transfer_params`) fetches the serving agent's metadata
+    here and then reads the blocks itself; its completion notification releases the engine's
     :meth:`~aionixl.Engine.lease` of that request id, and its heartbeats extend it. What
     the decode checks against its own configuration: ``compat_hash`` (vLLM's
     compatibility hash of the deployment: same vLLM version, model, dtype, attention
@@ -117,8 +119,15 @@ async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id:
     ``isolate=True`` puts that agent in a child process that maps the regions (they must
     lie in :func:`aionixl.shared_dram` buffers): over UCX TCP a decode dying mid-read can
     make UCX abort the process that serves its read, and then only that child dies. The
-    engine replaces it (``metrics().vllm_serving_restarts``); the replacement serves under
-    a new engine id (:func:`engine_id`), so decoders handshake with it again.
+    engine replaces it (``metrics().vllm_serving_restarts``).
+
+    Each serving agent (each call, each serving child) announces an engine id of its own,
+    ``"<engine_id>~<8 hex digits>"``: a vLLM decode keeps a remote agent by engine id, and
+    one that replaced another under the same id (a restarted prefill, a replaced child)
+    would never be read. :func:`engine_id` says which is served now, and
+    :func:`transfer_params` given ``engine_id`` names it. ``exact_engine_id=True``
+    announces ``engine_id`` as given (the first agent; a replaced child still gets a
+    suffix): for ids already new at each start, as vLLM's own.
     ``AionixlError`` when the first child does not start.
 
     vLLM's side channel has no authentication, so ``listen`` must be loopback (or ``ipc://``)
@@ -128,13 +137,15 @@ async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id:
     return await engine._serve_vllm(listen, engine_id=engine_id, compat_hash=compat_hash,
                                     block_size=block_size, kv_cache_layout=kv_cache_layout,
                                     attn_backend_name=attn_backend_name, tp_rank=tp_rank,
-                                    pp_rank=pp_rank, layer_names=layer_names, isolate=isolate)
+                                    pp_rank=pp_rank, layer_names=layer_names, isolate=isolate,
+                                    exact_engine_id=exact_engine_id)
 
 
 def engine_id(engine: Engine) -> str | None:
     """The engine id vLLM decoders must be told now (:func:`transfer_params`): the one
-    :func:`serve` was given, or with ``isolate=True`` the serving process's (a replacement
-    gets a new one); None when not serving (or while a replacement starts)."""
+    the serving agent announces, ``"<engine_id>~<8 hex digits>"`` (:func:`serve`; a
+    replaced serving child's differs); None when not serving (or while a replacement
+    starts)."""
     return engine._vllm_server.engine_id
 
 
@@ -144,9 +155,11 @@ def transfer_params(request_id: str, block_ids: Iterable[int], *, num_tokens: in
     the ``kv_transfer_params`` a vLLM prefill returns with its response (the proxy hands
     them to the decode's request). ``request_id`` is the lease's (the decode's notification
     names it); ``num_tokens``: the prompt tokens whose KV the blocks hold (vLLM's decode
-    scheduler loads that many, less what it has cached); ``host``/``port``: where
-    :func:`serve` listens, as the decode reaches it; ``tp_size``: the TP size
-    of the prefill (1 for one aionixl engine)."""
+    scheduler loads that many, less what it has cached); ``engine_id``: the id given to
+    :func:`serve`, or the one it announces (:func:`engine_id`): given the former, the
+    params name the latter when an engine of this process serves under it (``ValueError``
+    when two do); ``host``/``port``: where :func:`serve` listens, as the decode reaches
+    it; ``tp_size``: the TP size of the prefill (1 for one aionixl engine)."""
     read_notification(request_id)  # the same checks: it must be usable as vLLM's notification
     ids = [int(b) for b in block_ids]
     if not ids or min(ids) < 0:
@@ -157,7 +170,7 @@ def transfer_params(request_id: str, block_ids: Iterable[int], *, num_tokens: in
         raise ValueError("port must be at most 65535")
     check_text(engine_id, "engine_id")
     check_text(host, "host")
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": announced_id(engine_id),
             "remote_request_id": request_id, "remote_block_ids": [ids], "remote_host": host,
             "remote_port": port, "remote_num_tokens": num_tokens, "tp_size": tp_size,
             "dcp_size": 1, "pp_size": 1}

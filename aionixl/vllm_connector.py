@@ -239,7 +239,7 @@ class _Worker:
                     await aionixl.vllm.serve(engine, self._listen, engine_id=self._engine_id,
                                              compat_hash=compat_hash, block_size=block_size,
                                              kv_cache_layout="LBHNC", attn_backend_name=backend,
-                                             layer_names=names)
+                                             layer_names=names, exact_engine_id=True)
                 except aionixl.UnprotectedListenerError as exc:
                     raise aionixl.UnprotectedListenerError(
                         f"{exc}. For AionixlConnector: serve on loopback, or on a trusted network set "

@@ -66,13 +66,14 @@ async def test_vllm_decoders_are_served_beyond_loopback_only_with_the_opt_out() 
             await aionixl.vllm.serve(secured, "tcp://0.0.0.0:0", **SERVE)
         assert aionixl.vllm.engine_id(secured) is None
         address = await aionixl.vllm.serve(secured, "tcp://127.0.0.1:0", **SERVE)  # loopback: served
-        assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
+        assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id \
+            == aionixl.vllm.engine_id(secured)
     async with aionixl.Engine(unique("p"), numpy_cache(4, 64, 1), listen=None,
                               config=aionixl.EngineConfig(allow_unauthenticated=True)) as trusting:
         address = await aionixl.vllm.serve(trusting, "tcp://0.0.0.0:0", **SERVE)
         port = address.rsplit(":", 1)[1]
         assert (await aionixl.vllm.fetch_metadata(f"tcp://127.0.0.1:{port}", timeout=10)).metadata.engine_id \
-            == "prefill-0"
+            == aionixl.vllm.engine_id(trusting)
 
 
 def test_allow_unauthenticated_is_a_bool() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 
 import anyio
@@ -65,7 +66,9 @@ async def test_the_reply_describes_the_engine_as_a_vllm_prefill() -> None:
         reply = await aionixl.vllm.fetch_metadata(address, tp_rank=3, timeout=10)
         md = reply.metadata
         assert reply.compatibility_hash == SERVE["compat_hash"]
-        assert md.engine_id == "prefill-0" and md.block_size == 16 and md.kv_cache_layout == "LBHNC"
+        assert md.engine_id == aionixl.vllm.engine_id(prefill)
+        assert re.fullmatch(r"prefill-0~[0-9a-f]{8}", md.engine_id)  # this start's own (docs/vllm.md)
+        assert md.block_size == 16 and md.kv_cache_layout == "LBHNC"
         assert md.attn_backend_name == "CPU_ATTN" and md.region_names == names
         assert md.kv_caches_base_addr == [r.base for r in prefill.regions]
         assert md.block_lens == md.block_strides == [BLOCK_BYTES] * REGIONS
@@ -73,7 +76,7 @@ async def test_the_reply_describes_the_engine_as_a_vllm_prefill() -> None:
         # A serving agent of its own over the same memory: never the engine's own agent
         # (an unauthenticated client could otherwise message it in a peer's name).
         assert md.agent_metadata != aionixl.lowlevel.nixl_metadata(prefill)
-        assert metadata_agent_name(md.agent_metadata) == "p-vllm"
+        assert metadata_agent_name(md.agent_metadata) == f"p-vllm-{md.engine_id.rsplit('~', 1)[1]}"
         assert reply.remote_clock is not None and before <= reply.remote_clock <= time.perf_counter()
 
 
@@ -107,7 +110,7 @@ async def test_garbage_never_stops_the_listener_and_requests_it_cannot_serve_are
             refused = prefill.metrics().vllm_requests_refused
             assert refused == len(cases) + 1
             reply = await aionixl.vllm.fetch_metadata(address, timeout=10)  # still serving
-            assert reply.metadata.engine_id == "prefill-0"
+            assert reply.metadata.engine_id == aionixl.vllm.engine_id(prefill)
             assert prefill.metrics().vllm_requests_answered == 1
         finally:
             ctx.destroy(linger=0)
@@ -134,7 +137,8 @@ async def test_bad_arguments_are_value_errors_and_a_second_listener_is_refused()
         address = await aionixl.vllm.serve(prefill, **SERVE)  # the failures left nothing behind
         with pytest.raises(RuntimeError, match="serves vLLM decoders already"):
             await aionixl.vllm.serve(prefill, **SERVE)
-        assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
+        assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id \
+            == aionixl.vllm.engine_id(prefill)
     with pytest.raises(aionixl.EngineClosedError):
         await aionixl.vllm.serve(prefill, **SERVE)
 
@@ -177,6 +181,46 @@ async def test_fetch_metadata_and_vllm_connect_refuse_a_timeout_not_a_positive_n
                 await aionixl.vllm.fetch_metadata("tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
             with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
                 await aionixl.vllm.connect(decode, "tcp://127.0.0.1:9", timeout=bad)  # type: ignore[arg-type]
+
+
+async def test_each_start_announces_an_engine_id_of_its_own_and_transfer_params_name_it() -> None:
+    """A vLLM decode keeps a remote agent by engine id: a prefill restarted on the same port
+    under the same user id must announce another id, or the decode never asks it again."""
+    def params(engine_id: str) -> str:
+        return aionixl.vllm.transfer_params("r", [1], num_tokens=4, engine_id=engine_id, host="h",
+                                            port=1)["remote_engine_id"]
+
+    port = 0
+    announced = []
+    for _start in range(2):
+        async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
+            address = await aionixl.vllm.serve(prefill, f"tcp://127.0.0.1:{port}", **SERVE)
+            port = int(address.rsplit(":", 1)[1])  # the restart serves on the same port
+            served_id = aionixl.vllm.engine_id(prefill)
+            assert served_id is not None and re.fullmatch(r"prefill-0~[0-9a-f]{8}", served_id)
+            assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == served_id
+            assert params("prefill-0") == params(served_id) == served_id  # the user's id, translated
+            announced.append(served_id)
+        assert aionixl.vllm.engine_id(prefill) is None
+        assert params("prefill-0") == "prefill-0"  # nobody here serves it: as given
+    assert announced[0] != announced[1]
+
+
+async def test_exact_engine_id_announces_the_id_as_given_and_two_servers_of_one_id_are_ambiguous() -> None:
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as first, \
+            aionixl.Engine("q", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as second:
+        with pytest.raises(ValueError, match="exact_engine_id must be a bool"):
+            await aionixl.vllm.serve(first, **SERVE, exact_engine_id=1)  # type: ignore[arg-type]
+        address = await aionixl.vllm.serve(first, **SERVE, exact_engine_id=True)
+        assert aionixl.vllm.engine_id(first) == "prefill-0"
+        assert (await aionixl.vllm.fetch_metadata(address, timeout=10)).metadata.engine_id == "prefill-0"
+        await aionixl.vllm.serve(second, **SERVE)
+        with pytest.raises(ValueError, match="2 engines of this process serve vLLM decoders under"):
+            aionixl.vllm.transfer_params("r", [1], num_tokens=4, engine_id="prefill-0", host="h", port=1)
+        served_id = aionixl.vllm.engine_id(second)
+        assert served_id is not None
+        assert aionixl.vllm.transfer_params("r", [1], num_tokens=4, engine_id=served_id, host="h",
+                                            port=1)["remote_engine_id"] == served_id
 
 
 def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:

@@ -58,7 +58,7 @@ async def serve(args: argparse.Namespace) -> None:
                                            compat_hash=args.compat_hash, block_size=args.block_size,
                                            kv_cache_layout="LBHNC", attn_backend_name=args.attn_backend,
                                            isolate=args.isolate)
-        emit({"ready": {"pid": os.getpid(), "address": address, "engine_id": engine_id}})
+        emit({"ready": {"pid": os.getpid(), "address": address, "engine_id": aionixl.vllm.engine_id(engine)}})
 
         async def watch(lease: aionixl.Lease) -> None:
             try:

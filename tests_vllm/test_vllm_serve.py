@@ -61,17 +61,20 @@ def prefill_cache(page: int) -> list[np.ndarray]:
     return regions
 
 
-async def serve(engine: aionixl.Engine, decode: VllmDecode, engine_id: str, **changes: Any) -> str:
-    """Serve vLLM on a free port and point the decode at it; the address served."""
+async def serve(engine: aionixl.Engine, decode: VllmDecode, engine_id: str, listen: str = "tcp://127.0.0.1:0",
+                **changes: Any) -> str:
+    """Serve vLLM (on a free port by default) and point the decode at it, under the engine
+    id served; the address served."""
     ready = decode.ready
     kwargs: dict[str, Any] = {
         "engine_id": engine_id, "compat_hash": ready["compat_hash"], "block_size": ready["block_size"],
         "kv_cache_layout": "LBHNC", "attn_backend_name": ready["attn_backend"],
         "layer_names": ready["layer_names"]}
     kwargs.update(changes)
-    address = await aionixl.vllm.serve(engine, "tcp://127.0.0.1:0", **kwargs)
+    address = await aionixl.vllm.serve(engine, listen, **kwargs)
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    await decode.ask({"op": "target", "engine_id": engine_id, "host": host, "port": int(port)})
+    await decode.ask({"op": "target", "engine_id": aionixl.vllm.engine_id(engine), "host": host,
+                      "port": int(port)})
     return address
 
 
@@ -130,7 +133,33 @@ async def test_a_rank_not_served_is_refused_and_the_server_keeps_serving(decode:
         assert engine.metrics().vllm_requests_answered == 0
         # The listener lives on: aionixl's own vLLM client reads through it.
         hs = await aionixl.vllm.fetch_metadata(address, tp_rank=1)
-        assert hs.metadata.engine_id == engine_id
+        assert hs.metadata.engine_id == aionixl.vllm.engine_id(engine)
+
+
+async def test_a_vllm_decode_reads_from_a_prefill_restarted_on_the_same_port_under_the_same_id(
+        decode: VllmDecode, anyio_backend: str) -> None:
+    """The decode keeps the first prefill's agent under the engine id it was told; the
+    restarted one announces another (the params built with the user's id name it), so the
+    decode handshakes again and reads exact bytes, and its notification releases the new
+    prefill's lease."""
+    engine_id, listen = unique("pre"), "tcp://127.0.0.1:0"
+    announced = []
+    for start in range(2):
+        async with aionixl.Engine(engine_id, prefill_cache(decode.ready["page_bytes"]), listen=None) as engine:
+            address = await serve(engine, decode, engine_id, listen)
+            listen = address  # the restart binds the same port
+            req, remote = unique(f"start{start}"), [3 + start, 40 + start]
+            params = aionixl.vllm.transfer_params(req, remote, num_tokens=64, engine_id=engine_id,
+                                                  host="127.0.0.1", port=int(address.rsplit(":", 1)[1]))
+            assert params["remote_engine_id"] == aionixl.vllm.engine_id(engine)
+            announced.append(params["remote_engine_id"])
+            lease = engine.lease(req, remote, duration=60)
+            got = await decode.ask({"op": "verify", "req": req, "local": [0, 1], "remote": remote})
+            assert got == {"ok": True, "blocks": 2}  # every word of every layer compared
+            with anyio.fail_after(10):
+                await lease.wait()
+            assert engine.metrics().vllm_requests_answered == 1  # a handshake with each start
+    assert announced[0] != announced[1]
 
 
 class ServingPrefill:
@@ -279,7 +308,6 @@ def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() ->
         assert stats["stats"]["vllm_requests_answered"] == 1
         restarts = stats["stats"]["vllm_serving_restarts"]
         assert restarts in (0, 1)  # 1: UCX aborted the serving child, and it was replaced
-        served_id = prefill.ready["engine_id"] + (f"~{restarts}" if restarts else "")
         deadline = time.monotonic() + 30
         while True:  # still serving (once a replacement is up)
             try:
@@ -288,13 +316,14 @@ def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() ->
             except aionixl.HandshakeError:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-        assert reply.metadata.engine_id == served_id
+        # The same engine id, or with a replacement one of its own.
+        assert (reply.metadata.engine_id == prefill.ready["engine_id"]) == (restarts == 0)
 
 
 def test_a_vllm_decode_reads_again_from_a_replaced_serving_child_under_its_new_engine_id() -> None:
     """With ``isolate=True``, a serving child that dies (SIGABRT, as UCX aborts) is replaced
-    under ``"<engine_id>~1"``: a real vLLM decode told that id handshakes again (same host
-    and port), reads exact bytes from the replacement, and its notification, relayed by the
+    under an engine id of its own: a real vLLM decode told that id handshakes again (same
+    host and port), reads exact bytes from the replacement, and its notification, relayed by the
     new child, releases the lease."""
     with isolated_prefill_and_decode(dict(os.environ), LAYERS, 64) as (decode, prefill, host, port):
         engine_id = prefill.ready["engine_id"]
@@ -306,14 +335,14 @@ def test_a_vllm_decode_reads_again_from_a_replaced_serving_child_under_its_new_e
         while True:  # the replacement is up once the engine serves under the new id
             prefill.send({"op": "stats"})
             stats = prefill.line(lambda m: "stats" in m, 10)
-            if stats["engine_id"] == f"{engine_id}~1":
+            if stats["engine_id"] not in (engine_id, None):
                 break
             assert time.monotonic() < deadline, stats
             time.sleep(0.1)
         assert stats["stats"]["vllm_serving_restarts"] == 1
         prefill.send({"op": "lease", "req": "after", "blocks": [9, 10], "duration": 30.0})
         prefill.line(lambda m: m.get("leased") == "after", 10)
-        anyio.run(decode.ask, {"op": "target", "engine_id": f"{engine_id}~1", "host": host, "port": port})
+        anyio.run(decode.ask, {"op": "target", "engine_id": stats["engine_id"], "host": host, "port": port})
         got = anyio.run(decode.ask, {"op": "verify", "req": "after", "local": [2, 3], "remote": [9, 10]})
         assert got == {"ok": True, "blocks": 2}  # a new handshake, then exact bytes
         ended = prefill.line(lambda m: m.get("lease") == "after", 10)
