@@ -581,7 +581,7 @@ class Engine:
     async def _serve_vllm(self, listen: str, *, engine_id: str, compat_hash: str, block_size: int,
                           kv_cache_layout: str, attn_backend_name: str, tp_rank: int, pp_rank: int,
                           layer_names: Sequence[str] | None, isolate: bool,
-                          exact_engine_id: bool = False) -> str:
+                          exact_engine_id: bool = False, progress_thread: bool = True) -> str:
         """:func:`aionixl.vllm.serve`."""
         self._check_open()
         if not isinstance(listen, str) or not listen:
@@ -597,7 +597,7 @@ class Engine:
         server.configure(engine_id=engine_id, compat_hash=compat_hash, block_size=block_size,
                          kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
                          pp_rank=pp_rank, tp_rank=tp_rank, layer_names=layer_names, isolate=isolate,
-                         exact_engine_id=exact_engine_id)
+                         exact_engine_id=exact_engine_id, progress_thread=progress_thread)
         assert self._bg_tg is not None
         try:
             with self._life.operation():

@@ -77,11 +77,12 @@ class ServingAgent:
     """The NIXL agent that serves vLLM decoders from this process: the engine's regions
     registered with an agent of their own (see the module docstring). Its NIXL progress
     thread serves their reads as they come (over UCX TCP a read waits for its target to
-    progress: polled from the event loop, it waited for the loop's next poll); the engine's
-    drainer collects its notifications through :meth:`poll`."""
+    progress); without one, reads wait for the engine's drainer, which progresses it as it
+    collects its notifications (:meth:`poll`)."""
 
-    def __init__(self, local: LocalSide, backends: tuple[str, ...], make: AgentFactory, suffix: str) -> None:
-        agent = make(f"{local.name}-vllm-{suffix}", backends, True, False)
+    def __init__(self, local: LocalSide, backends: tuple[str, ...], make: AgentFactory, suffix: str,
+                 progress_thread: bool) -> None:
+        agent = make(f"{local.name}-vllm-{suffix}", backends, progress_thread, False)
         try:
             agent.register(registration_spans(local.regions), local.mem_type)
         except BaseException:
@@ -91,7 +92,8 @@ class ServingAgent:
         self.metadata = agent.metadata()
 
     def poll(self) -> Mapping[str, list[bytes]]:
-        """The notifications that arrived, by sender."""
+        """The notifications that arrived, by sender (without a progress thread, one NIXL
+        progress call first)."""
         return {} if self._agent is None else self._agent.get_notifs()
 
     def live(self) -> dict[str, int]:
@@ -146,7 +148,8 @@ class VllmServer:
 
     def configure(self, *, engine_id: str, compat_hash: str, block_size: int, kv_cache_layout: str,
                   attn_backend_name: str, pp_rank: int, tp_rank: int,
-                  layer_names: Sequence[str] | None, isolate: bool, exact_engine_id: bool) -> None:
+                  layer_names: Sequence[str] | None, isolate: bool, exact_engine_id: bool,
+                  progress_thread: bool) -> None:
         """Check the arguments and build the reply (with ``isolate``, the serving child
         that :meth:`Sidecar.run` starts); ``ValueError`` for a bad one, ``RuntimeError``
         when this engine serves vLLM already."""
@@ -155,7 +158,8 @@ class VllmServer:
                                f"(at {self.address})")
         check_int(pp_rank, "pp_rank", 0)
         check_int(tp_rank, "tp_rank", 0)
-        for flag, what in ((isolate, "isolate"), (exact_engine_id, "exact_engine_id")):
+        for flag, what in ((isolate, "isolate"), (exact_engine_id, "exact_engine_id"),
+                           (progress_thread, "progress_thread")):
             if not isinstance(flag, bool):
                 raise ValueError(f"{what} must be a bool, got {flag!r}")
         spans = locate_all(self._local.regions) if isolate else []
@@ -180,7 +184,7 @@ class VllmServer:
         else:
             suffix = secrets.token_hex(4)
             self.agent = ServingAgent(self._local, self._config.backends,
-                                      self._tuning.agent_factory or serving_agent, suffix)
+                                      self._tuning.agent_factory or serving_agent, suffix, progress_thread)
             served_id = self._announce(first=True, suffix=suffix)
             payload = describe(served_id, self.agent.metadata, ours)
             self._payload, self.engine_id, self.serving = payload, served_id, True

@@ -96,7 +96,7 @@ async def heartbeat(engine: Engine, peer: Peer, request_ids: Iterable[str]) -> N
 async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id: str, compat_hash: str,
                 block_size: int, kv_cache_layout: str, attn_backend_name: str, tp_rank: int = 0,
                 pp_rank: int = 0, layer_names: Sequence[str] | None = None, isolate: bool = False,
-                exact_engine_id: bool = False) -> str:
+                exact_engine_id: bool = False, progress_thread: bool = True) -> str:
     """Answer vLLM NixlConnector decode workers' handshakes on ``listen`` for ``engine``;
     returns the bound endpoint (``tcp://host:port``).
 
@@ -128,6 +128,13 @@ async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id:
     :func:`transfer_params` given ``engine_id`` names it. ``exact_engine_id=True``
     announces ``engine_id`` as given (the first agent; a replaced child still gets a
     suffix): for ids already new at each start, as vLLM's own.
+
+    The serving agent runs NIXL's progress thread (an OS thread, waiting on the UCX
+    worker's events): over UCX TCP a decode's read waits for its target to progress, and
+    this serves it as it arrives. ``progress_thread=False`` saves that thread: reads then
+    wait for the engine's drainer (every ``Tuning.notification_poll_interval`` at most
+    while a lease is live, ``idle_poll_interval`` otherwise). A serving child
+    (``isolate=True``) always runs one.
     ``AionixlError`` when the first child does not start.
 
     vLLM's side channel has no authentication, so ``listen`` must be loopback (or ``ipc://``)
@@ -138,7 +145,7 @@ async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id:
                                     block_size=block_size, kv_cache_layout=kv_cache_layout,
                                     attn_backend_name=attn_backend_name, tp_rank=tp_rank,
                                     pp_rank=pp_rank, layer_names=layer_names, isolate=isolate,
-                                    exact_engine_id=exact_engine_id)
+                                    exact_engine_id=exact_engine_id, progress_thread=progress_thread)
 
 
 def engine_id(engine: Engine) -> str | None:

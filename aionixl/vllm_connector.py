@@ -14,8 +14,10 @@ calls connectors synchronously, and nothing calls them while the engine is idle,
 transfers and notifications need a loop of their own): it serves the side channel
 (:func:`aionixl.vllm.serve`), holds a prefill's blocks under leases that the decode's
 read-done releases and its heartbeats extend, and posts a decode's reads as soon as their
-handshake completes. NIXL's progress thread stays off; nothing spins; the compute thread's
-CPU mask is left alone.
+handshake completes. NIXL's progress thread stays off, the serving agent's too (one OS
+thread fewer per worker; a decode's read then waits for the engine's next poll, at most
+``Tuning.notification_poll_interval`` while the prefill holds leases); nothing spins; the
+compute thread's CPU mask is left alone.
 
 Only this module imports vLLM (``import aionixl`` does not). Supported: TP 1 and PP 1, CPU
 or GPU memory that one aionixl engine registers, block sizes with one kernel block per
@@ -239,7 +241,8 @@ class _Worker:
                     await aionixl.vllm.serve(engine, self._listen, engine_id=self._engine_id,
                                              compat_hash=compat_hash, block_size=block_size,
                                              kv_cache_layout="LBHNC", attn_backend_name=backend,
-                                             layer_names=names, exact_engine_id=True)
+                                             layer_names=names, exact_engine_id=True,
+                                             progress_thread=False)
                 except aionixl.UnprotectedListenerError as exc:
                     raise aionixl.UnprotectedListenerError(
                         f"{exc}. For AionixlConnector: serve on loopback, or on a trusted network set "

@@ -5,7 +5,9 @@ Two child processes under this interpreter (which must have vLLM): a vLLM prefil
 patterned KV cache, its engine loop stepping every 1 ms) and a vLLM decode worker
 (``python -m aionixl_contenders.vllm_decode``: vLLM's connector in the pull role,
 driven as vLLM's scheduler and engine loop would drive it). This module steers
-them and turns their answers into the bench's samples.
+them and turns their answers into the bench's samples. The same decode then reads from an
+aionixl prefill serving it (:mod:`.serving_prefill`, ``aionixl.vllm.serve`` in process and
+isolated): the ``spaced_1_p50_*`` and ``idle_cpu_*`` rows of the vLLM column.
 
 Geometry: the vLLM model is chosen so that its KV cache has the bench's shape: one NIXL
 region per vLLM layer (layout LBHNC: K and V of a block share one page), as many layers as
@@ -47,6 +49,8 @@ class Child:
         self.name = module
         self._fd = read_fd
         self._reader = LineReader()
+        self._code: int | None = None
+        self._stopped = False
 
     def line(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -73,6 +77,10 @@ class Child:
         return self.line(timeout)
 
     def stop(self) -> int | None:
+        """End of stdin, then the exit code (killed after 30 s); idempotent."""
+        if self._stopped:
+            return self._code
+        self._stopped = True
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
@@ -82,6 +90,7 @@ class Child:
             self.proc.kill()
             code = self.proc.wait()
         os.close(self._fd)
+        self._code = code
         return code
 
 
@@ -108,6 +117,7 @@ def run(ctx: Any) -> dict[str, Any]:
             if p_ready["page_bytes"] != spec.block_bytes or d_ready["page_bytes"] != spec.block_bytes:
                 raise RuntimeError(f"vLLM pages of {p_ready['page_bytes']} bytes, not {spec.block_bytes}")
             out.update(_measure(ctx, prefill, decode, p_ready))
+            out.update(_measure_serving(ctx, prefill, decode, p_ready, d_ready, log))
             out["info"].update(prefill_ready=p_ready, decode_ready=d_ready, log=str(log_path))
         finally:
             codes = {"decode": decode.stop(), "prefill": prefill.stop()}
@@ -190,6 +200,88 @@ def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -
                                 "kv_cache_layout": "LBHNC"},
                    "completion": "get_transfer_results (what get_finished wraps) called in a loop "
                                  "right after start_load_kv: no forward pass between"}
+    return out
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _spaced_p50(ctx: Any, decode: Child, hold: Any) -> list[float]:
+    """Per repeat, the p50 of one-block reads ``spaced_gap_s`` apart, each held by ``hold``."""
+    spec = ctx.spec
+    one = _lists(ctx.workload("contiguous", 1))
+    out = []
+    for _ in range(spec.repeats):
+        seconds = decode.ask({"op": "reads", "pairs": one, "reqs": hold(spec.spaced_count),
+                              "gap_s": spec.spaced_gap_s})["seconds"]
+        out.append(sorted(seconds)[len(seconds) // 2])
+    return out
+
+
+def _measure_serving(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any],
+                     d_ready: dict[str, Any], log: Any) -> dict[str, Any]:
+    """The same vLLM decode reading spaced one-block reads from the vLLM prefill, then (the
+    vLLM prefill stopped) from an aionixl prefill serving it (:mod:`.serving_prefill`: in
+    process, then isolated), bytes verified; the aionixl prefill's idle CPU after."""
+    spec = ctx.spec
+    names = itertools.count()
+
+    def reqs(n: int) -> list[str]:
+        return [f"spaced-{next(names)}" for _ in range(n)]
+
+    def held_by_vllm(n: int) -> list[str]:
+        ids = reqs(n)
+        prefill.ask({"op": "hold_many", "reqs": ids, "lease_s": 600})
+        return ids
+
+    # As on two hosts: the prefill on one CPU, the decode on another (on two CPUs, a decode
+    # spinning over both would decide how soon a prefill that sleeps between reads runs).
+    cpus = sorted(os.sched_getaffinity(0))
+    prefill_cpus = ["--cpus", str(cpus[0])] if len(cpus) > 1 else []
+    if prefill_cpus:
+        _pin(decode.proc.pid, {cpus[-1]})
+        _pin(prefill.proc.pid, {cpus[0]})
+    host, port = p_ready["address"].removeprefix("tcp://").rsplit(":", 1)
+    decode.ask({"op": "target", "engine_id": p_ready["engine_id"], "host": host, "port": int(port)})
+    ctx.progress(f"vLLM decode: one-block reads {spec.spaced_gap_s * 1e3:g} ms apart from the vLLM prefill")
+    out: dict[str, Any] = {"spaced_1_p50_vllm": _spaced_p50(ctx, decode, held_by_vllm)}
+    # Each prefill alone with the decode: vLLM's, idle, would still keep a core busy.
+    if prefill.stop():
+        raise RuntimeError(f"the vLLM prefill exited with {prefill.stop()}")
+    geometry = ["--layers", str(spec.regions), "--blocks", str(spec.blocks), "--page", str(spec.block_bytes),
+                "--compat-hash", d_ready["compat_hash"], "--block-size", str(d_ready["block_size"]),
+                "--attn-backend", d_ready["attn_backend"]]
+    for key, flags in (("served", []), ("isolated", ["--isolate"])):
+        ctx.progress(f"vLLM decode: the same reads from an aionixl prefill ({key})")
+        serving = Child("serving_prefill", [*geometry, *flags, *prefill_cpus], log)
+        try:
+            ready = serving.line(120)["ready"]
+            host, port = ready["address"].removeprefix("tcp://").rsplit(":", 1)
+            decode.ask({"op": "target", "engine_id": ready["engine_id"], "host": host, "port": int(port)})
+
+            def held_by_aionixl(n: int, serving: Child = serving) -> list[str]:
+                ids = reqs(n)
+                serving.ask({"op": "hold_many", "reqs": ids, "blocks": [0], "duration": 600})
+                return ids
+
+            loc, rem = ctx.verify_set
+            reply = decode.ask({"op": "verify", "req": held_by_aionixl(1)[0], "local": [int(x) for x in loc],
+                                "remote": [int(x) for x in rem]})
+            if not reply["ok"]:
+                raise RuntimeError(f"vLLM decode from an aionixl prefill ({key}): the bytes read do not "
+                                   "match the prefill pattern")
+            out[f"spaced_1_p50_{key}"] = _spaced_p50(ctx, decode, held_by_aionixl)
+            out[f"idle_cpu_{key}"] = serving.ask({"op": "idle", "settle_s": spec.idle_settle_s,
+                                                  "windows": spec.idle_windows,
+                                                  "window_s": spec.idle_window_s})["idle_cpu"]
+        finally:
+            code = serving.stop()
+        if code:
+            raise RuntimeError(f"the aionixl serving prefill ({key}) exited with {code}")
     return out
 
 

@@ -166,8 +166,14 @@ class Decode:
         return {"heartbeat": sorted(cmd["reqs"])}
 
     def cmd_reads(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        pairs = cmd["pairs"]
-        times = [self.read(req, *pairs[i % len(pairs)]) for i, req in enumerate(cmd["reqs"])]
+        """Reads one after another, each timed; ``gap_s`` apart if given (a prefill that
+        progresses only when polled then shows what its polling costs a reader)."""
+        pairs, gap = cmd["pairs"], float(cmd.get("gap_s", 0.0))
+        times = []
+        for i, req in enumerate(cmd["reqs"]):
+            if gap and i:
+                time.sleep(gap)
+            times.append(self.read(req, *pairs[i % len(pairs)]))
         return {"seconds": times}
 
     def cmd_pd(self, cmd: dict[str, Any]) -> dict[str, Any]:

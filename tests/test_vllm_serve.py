@@ -80,6 +80,34 @@ async def test_the_reply_describes_the_engine_as_a_vllm_prefill() -> None:
         assert reply.remote_clock is not None and before <= reply.remote_clock <= time.perf_counter()
 
 
+async def test_without_its_progress_thread_the_serving_agent_costs_one_thread_less_and_still_serves() -> None:
+    """``progress_thread=False``: the engine's drainer progresses the serving agent; a read
+    through it lands exact and releases the lease all the same."""
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    added = {}
+    for progress_thread in (True, False):
+        src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=11)
+        dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+        async with aionixl.Engine("p", src_cache, listen=None) as prefill, \
+                aionixl.Engine("d", dst_cache, listen=None) as decode:
+            before = threads()
+            address = await aionixl.vllm.serve(prefill, **SERVE, progress_thread=progress_thread)
+            added[progress_thread] = threads() - before
+            lease = prefill.lease("req-1", [7, 8], duration=30)
+            peer = await aionixl.vllm.connect(decode, address, timeout=10)
+            await decode.transfer_blocks(peer, [1, 2], [7, 8], notify=aionixl.vllm.read_notification("req-1"))
+            with anyio.fail_after(10):
+                await lease.wait()
+            assert all(np.array_equal(d[[1, 2]], s[[7, 8]]) for d, s in zip(dst_cache, src_cache, strict=True))
+        assert zero_resources(prefill)
+    assert added[False] == added[True] - 1, added  # NIXL's progress thread, and nothing else
+    async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
+        with pytest.raises(ValueError, match="progress_thread must be a bool"):
+            await aionixl.vllm.serve(prefill, **SERVE, progress_thread=None)  # type: ignore[arg-type]
+
+
 async def test_garbage_never_stops_the_listener_and_requests_it_cannot_serve_are_refused() -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:
         address = await aionixl.vllm.serve(prefill, **SERVE)

@@ -43,6 +43,15 @@ def test_bench_with_vllm_quick_shape(tmp_path: Path) -> None:
         p = [measures[f"lat_1_p{q}"]["results"][name]["median"] for q in (50, 90, 99)]
         assert 0 < p[0] <= p[1] <= p[2], (name, p)
         assert measures["threads_open"]["results"][name]["min"] >= 0
+    # The vLLM decode reading from vLLM's prefill and from aionixl's serving it (bytes
+    # verified by the contender, which fails otherwise); only the vLLM column has them.
+    for key in ("spaced_1_p50_vllm", "spaced_1_p50_served", "spaced_1_p50_isolated", "idle_cpu_served",
+                "idle_cpu_isolated"):
+        r = measures[key]["results"]
+        assert r["asyncio"] is None and r["vllm"] is not None, key
+        assert all(math.isfinite(r["vllm"][k]) and r["vllm"][k] >= 0 for k in ("median", "min", "max")), key
+        if key.startswith("spaced"):
+            assert r["vllm"]["n"] == report["config"]["repeats"], key
     info = report["info"]["vllm"]
     geometry = info["geometry"]
     assert geometry["page_bytes"] == report["config"]["block_bytes"]
@@ -52,3 +61,4 @@ def test_bench_with_vllm_quick_shape(tmp_path: Path) -> None:
         assert close["threads_open"] > close["threads_base"]  # vLLM's agent and helpers
     assert "vLLM connector" in proc.stdout
     assert "1-block read, p99 per read" in proc.stdout
+    assert "vLLM decode reads served, p50" in proc.stdout

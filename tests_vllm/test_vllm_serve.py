@@ -163,7 +163,7 @@ async def test_a_vllm_decode_reads_from_a_prefill_restarted_on_the_same_port_und
 
 
 class ServingPrefill:
-    """``tests_vllm.serving_prefill``: an aionixl prefill serving vLLM, in a child process."""
+    """``aionixl_contenders.serving_prefill``: an aionixl prefill serving vLLM, in a child process."""
 
     def __init__(self, env: dict[str, str], ready: dict[str, Any], layers: int, blocks: int,
                  progress_thread: bool = False, isolate: bool = False, backend: str = "asyncio") -> None:
@@ -172,7 +172,7 @@ class ServingPrefill:
                 "--page", str(ready["page_bytes"]), "--compat-hash", ready["compat_hash"],
                 "--block-size", str(ready["block_size"]), "--attn-backend", ready["attn_backend"]]
         try:
-            argv, child_env = module_command("tests_vllm.serving_prefill", *args,
+            argv, child_env = module_command("aionixl_contenders.serving_prefill", *args,
                                              *(["--progress-thread"] if progress_thread else []),
                                              *(["--isolate"] if isolate else []), env=env)
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,

@@ -140,6 +140,17 @@ def _vllm_measures(spec: Any) -> list[Measure]:
                 "threads of the process right after close/shutdown (no gc), minus before it was "
                 "created"),
     ]
+    gap = f"{spec.spaced_gap_s * 1e3:g} ms"
+    for key, prefill in (("vllm", "a vLLM prefill"), ("served", "an aionixl prefill, aionixl.vllm.serve"),
+                         ("isolated", "an aionixl prefill, aionixl.vllm.serve(isolate=True)")):
+        out.append(Measure(f"spaced_1_p50_{key}", f"vLLM decode reads {key}, p50", "us", 1e6, "minmax",
+                           f"vLLM column only: p50 of {spec.spaced_count} one-block reads {gap} apart by "
+                           f"the vLLM decode from {prefill} (each held by a lease), per repeat; "
+                           "the prefill on one CPU, the decode on another, as on two hosts"))
+    for key, what in (("served", "its process"), ("isolated", "its process and its serving child")):
+        out.append(Measure(f"idle_cpu_{key}", f"idle CPU, aionixl {key} prefill", "% core", 100.0,
+                           "minmax", f"vLLM column only: CPU of the aionixl prefill serving vLLM "
+                           f"decoders ({what}) / wall time, idle after the reads"))
     return out
 
 

@@ -68,6 +68,10 @@ class Spec(KVShape):
     threaded_repeat_budget_s: float = 0.1
     #: One-block reads timed one by one per repeat (p50/p90/p99 rows; --with-vllm runs).
     lat_count: int = 500
+    #: --with-vllm: one-block reads per repeat by the vLLM decode, ``spaced_gap_s`` apart,
+    #: from each prefill that serves it (vLLM's own, aionixl.vllm.serve in process, isolated).
+    spaced_count: int = 60
+    spaced_gap_s: float = 0.01
     #: --with-vllm: vLLM's real NixlConnector as a contender (and the rows only it has).
     with_vllm: bool = False
     #: Tokens per vLLM block (vLLM's CPU attention backend needs a multiple of 32).
@@ -131,4 +135,4 @@ def quick_spec() -> Spec:
     return replace(Spec(), repeats=3, seq={1: 600, 16: 60, 256: 4}, bulk_count=6, connect_count=8,
                    close_repeats=1, wake_count=60, idle_windows=2, idle_window_s=0.25,
                    idle_settle_s=0.3, lag_window_s=0.2, lag_windows=1,
-                   threaded_repeat_budget_s=0.04, lat_count=150, quick=True)
+                   threaded_repeat_budget_s=0.04, lat_count=150, spaced_count=30, quick=True)

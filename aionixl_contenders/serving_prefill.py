@@ -1,13 +1,18 @@
-"""An aionixl prefill serving vLLM decoders, in a child process of its own (the tests that
-kill its reader: if the prefill died, the test process must not die with it).
+"""An aionixl prefill serving vLLM decoders (``aionixl.vllm.serve``), in a child process of
+its own: for ``aionixl bench --with-vllm`` (a vLLM decode reads from it) and for the tests
+that kill its reader (if the prefill died, the test process must not die with it).
 
-    python -m tests_vllm.serving_prefill --fd FD --layers L --blocks B --page P \\
+    python -m aionixl_contenders.serving_prefill --fd FD --layers L --blocks B --page P \\
         --compat-hash H --block-size S --attn-backend A [--progress-thread] [--isolate]
 
 Its blocks hold the pattern the vLLM decode checks (``expected_words``). Messages
 (:mod:`aionixl._lines`): ``ready`` on ``--fd``; commands on stdin, one per line:
 ``{"op": "lease", "req": ID, "blocks": [...], "duration": S}`` (answered ``{"leased": ID}``,
 then ``{"lease": ID, "outcome": "released" | "expired" | ...}`` when it ends) and
+``{"op": "hold_many", "reqs": [...], "blocks": [...], "duration": S}`` (leases, their ends
+not reported; answered ``{"held_many": N}``), ``{"op": "idle", "settle_s": S, "windows": N,
+"window_s": S}`` (CPU share of this process, and of its serving child with ``--isolate``,
+per window: ``{"idle_cpu": [...]}``),
 ``{"op": "stats"}`` (``{"stats": ..., "resources": ..., "engine_id": ...}``),
 ``{"op": "abort-serving-child"}`` (SIGABRT to the ``isolate`` child; ``{"aborted": pid}``). End of
 stdin closes the engine and reports ``{"closed": live_resources}``.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from typing import Any
 
 import anyio
@@ -41,6 +47,33 @@ def cache(layers: int, blocks: int, page: int, shared: bool) -> list[np.ndarray]
     buf = aionixl.shared_dram(layers * blocks * page).reshape(layers, blocks, page)
     buf[:] = regions
     return list(buf)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds its live threads have run, of process ``pid``: the scheduler's nanosecond
+    count (/proc/PID/stat counts 10 ms ticks, too coarse for an idle process)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+async def idle_cpu(engine: aionixl.Engine, cmd: dict[str, Any]) -> list[float]:
+    """CPU share of this process (and of the serving child, when isolated) per window,
+    with nothing to serve."""
+    sidecar = engine._vllm_server.sidecar
+    pids = [os.getpid()] + ([sidecar.pid] if sidecar is not None and sidecar.pid is not None else [])
+    await anyio.sleep(float(cmd["settle_s"]))
+    out = []
+    for _ in range(int(cmd["windows"])):
+        c0, t0 = sum(map(cpu_seconds, pids)), time.perf_counter()
+        await anyio.sleep(float(cmd["window_s"]))
+        out.append((sum(map(cpu_seconds, pids)) - c0) / (time.perf_counter() - t0))
+    return out
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -83,6 +116,12 @@ async def serve(args: argparse.Namespace) -> None:
                     lease = engine.lease(cmd["req"], cmd["blocks"], duration=float(cmd["duration"]))
                     tg.start_soon(watch, lease)
                     emit({"leased": cmd["req"]})
+                elif cmd["op"] == "hold_many":
+                    for req in cmd["reqs"]:
+                        engine.lease(req, cmd["blocks"], duration=float(cmd["duration"]))
+                    emit({"held_many": len(cmd["reqs"])})
+                elif cmd["op"] == "idle":
+                    emit({"idle_cpu": await idle_cpu(engine, cmd)})
                 elif cmd["op"] == "abort-serving-child":  # as UCX's abort would (isolate)
                     sidecar = engine._vllm_server.sidecar
                     assert sidecar is not None and sidecar.pid is not None
@@ -109,7 +148,10 @@ def main() -> None:
     p.add_argument("--progress-thread", action="store_true")
     p.add_argument("--isolate", action="store_true", help="aionixl.vllm.serve(isolate=True)")
     p.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
+    p.add_argument("--cpus", help="comma-separated CPUs this process (and its serving child) runs on")
     args = p.parse_args()
+    if args.cpus:  # before any thread or child exists: they all inherit it
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     anyio.run(serve, args, backend=args.backend)
 
 
