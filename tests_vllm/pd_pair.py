@@ -243,14 +243,15 @@ class VllmInstance:
                  logprobs: int | None = None, timeout: float = 300.0) -> list[Output]:
         """Greedy outputs for ``prompts``, all in one ``LLM.generate`` call (one batch), each with
         its ``kv_transfer_params`` (None: none)."""
-        params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} kv_transfer_params")
-        requests = [{"prompt_token_ids": list(map(int, p)), "kv_transfer_params": dict(kv) if kv else None}
-                    for p, kv in zip(prompts, params, strict=True)]
-        reply = self._ask({"op": "generate", "requests": requests, "max_tokens": max_tokens,
-                           "logprobs": logprobs}, timeout)
+        reply = self._ask(_generate_command(prompts, max_tokens, kv_transfer_params, logprobs), timeout)
         return [Output(**o) for o in reply["outputs"]]
+
+    def start_generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int = 8,
+                       kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None) -> None:
+        """As :meth:`generate`, without waiting for the answer (a test kills the instance meanwhile)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(encode_line(_generate_command(prompts, max_tokens, kv_transfer_params, None)))
+        self.proc.stdin.flush()
 
     def prefill(self, prompts: Sequence[Sequence[int]], timeout: float = 300.0) -> list[Output]:
         """Prefill ``prompts`` for a remote decode: one token each, the KV kept for the decode to
@@ -320,6 +321,17 @@ class VllmInstance:
                                   engine_exit_codes=engine_codes, threads_left=threads_left,
                                   leftover_pids=left, killed=killed)
         return self.stopped
+
+
+def _generate_command(prompts: Sequence[Sequence[int]], max_tokens: int,
+                      kv_transfer_params: Sequence[Mapping[str, Any] | None] | None,
+                      logprobs: int | None) -> dict[str, Any]:
+    params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} kv_transfer_params")
+    requests = [{"prompt_token_ids": list(map(int, p)), "kv_transfer_params": dict(kv) if kv else None}
+                for p, kv in zip(prompts, params, strict=True)]
+    return {"op": "generate", "requests": requests, "max_tokens": max_tokens, "logprobs": logprobs}
 
 
 # --- the child's side -----------------------------------------------------------------------

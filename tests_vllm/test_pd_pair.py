@@ -180,6 +180,27 @@ def test_an_idle_aionixl_worker_uses_at_most_5_percent_of_a_core(fleet: Fleet) -
 
 
 @pytest.mark.slow
+def test_an_aionixl_prefill_serves_on_after_a_decode_reading_from_it_is_sigkilled(
+        fleet: Fleet, cases: list[Case]) -> None:
+    """vLLM's NixlConnector decode is given many requests whose KV the aionixl prefill holds
+    and is SIGKILLed (its whole instance) 0.3 s later, while their reads are under way or
+    about to be. The aionixl prefill instance lives on and serves: the aionixl decode then
+    reads its next prefills and generates exactly A's tokens."""
+    prefill, victim = fleet["prefill AionixlConnector"], fleet["decode NixlConnector"]
+    prefilled = prefill.prefill([c.a for c in cases] * 8)
+    victim.start_generate([c.b for c in cases] * 8, max_tokens=MAX_TOKENS,
+                          kv_transfer_params=[o.kv_transfer_params for o in prefilled])
+    time.sleep(0.3)
+    assert victim.kill().killed
+    time.sleep(1.0)  # whatever the reader's death does to the prefill's NIXL agent, it has done
+    assert prefill.proc.poll() is None
+    again = prefill.prefill([c.a for c in cases])
+    decoded = fleet["decode AionixlConnector"].generate([c.b for c in cases], max_tokens=MAX_TOKENS,
+                                                        kv_transfer_params=[o.kv_transfer_params for o in again])
+    assert [o.token_ids for o in decoded] == [c.want_a for c in cases]
+
+
+@pytest.mark.slow
 def test_a_decode_whose_aionixl_prefill_was_sigkilled_fails_that_request_and_serves_on(
         fleet: Fleet, cases: list[Case]) -> None:
     """The prefill dies (SIGKILL, its whole instance) after it computed A: the aionixl decode's
@@ -205,7 +226,7 @@ def test_every_instance_stops_cleanly_and_in_time(fleet: Fleet) -> None:
         reports = dict(zip(fleet, pool.map(VllmInstance.stop, fleet.values()), strict=True))
     for name, report in reports.items():
         print(f"\n{name} stop: {report}")
-        if name == "prefill AionixlConnector":
-            continue  # SIGKILLed by the test above
+        if name in ("prefill AionixlConnector", "decode NixlConnector"):
+            continue  # SIGKILLed by the tests above
         assert report.exit_code == 0 and not report.killed and not report.leftover_pids, report
         assert report.engine_exit_codes == [0], report  # vLLM did not have to kill its engine core
