@@ -100,7 +100,8 @@ async def test_without_its_progress_thread_the_serving_agent_costs_one_thread_le
             await decode.transfer_blocks(peer, [1, 2], [7, 8], notify=aionixl.vllm.read_notification("req-1"))
             with anyio.fail_after(10):
                 await lease.wait()
-            assert all(np.array_equal(d[[1, 2]], s[[7, 8]]) for d, s in zip(dst_cache, src_cache, strict=True))
+            pairs = zip(dst_cache, src_cache, strict=True)
+            assert all(np.array_equal(d[[1, 2]], s[[7, 8]]) for d, s in pairs)
         assert zero_resources(prefill)
     assert added[False] == added[True] - 1, added  # NIXL's progress thread, and nothing else
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill:

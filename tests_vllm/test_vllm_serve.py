@@ -180,14 +180,20 @@ class ServingPrefill:
         finally:
             os.close(write_fd)
         self._fd, self._reader = read_fd, LineReader()
+        self._unmatched: list[dict[str, Any]] = []  # kept for a later line() that asks for them
         self.ready = self.line(lambda m: "ready" in m, 60)["ready"]
 
     def line(self, match: Any, timeout: float) -> dict[str, Any]:
+        """The first message (earlier ones not yet taken included) that ``match`` accepts."""
+        for i, msg in enumerate(self._unmatched):
+            if match(msg):
+                return self._unmatched.pop(i)
         deadline = time.monotonic() + timeout
         while True:
             while (msg := self._reader.pop()) is not None:
                 if match(msg):
                     return msg
+                self._unmatched.append(msg)
             left = deadline - time.monotonic()
             ready, _, _ = select.select([self._fd], [], [], max(left, 0))
             if not ready:
@@ -239,41 +245,64 @@ def isolated_prefill_and_decode(env: dict[str, str], layers: int, blocks: int
 def test_relayed_heartbeats_keep_a_2_s_lease_alive_for_10_s_through_the_serving_child() -> None:
     """Issue 50, item 3: a real vLLM decode's heartbeats, relayed by the isolated serving
     child, keep a 2 s lease alive for 10 s (a beat every 0.5 s: one late by more than 1.5 s
-    would let it expire), on both loops, while a lease with no heartbeats expires."""
+    would let it expire), on both loops, while a lease with no heartbeats expires.
+
+    The test knows when each beat can have left the decode (between asking for it and the
+    answer). A round in which two beats can have been 1.5 s or more apart (the decode or this
+    process starved, as in a loaded CI run once) proves nothing either way and is run again,
+    at most twice; a lease that expires although every beat left in time fails the test."""
     decode = VllmDecode(LAYERS, BLOCKS)
     try:
         anyio.run(decode.start)
         for backend in ("asyncio", "trio"):
-            prefill = ServingPrefill(dict(os.environ), decode.ready, LAYERS, BLOCKS, isolate=True,
-                                     backend=backend)
-            try:
-                host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
-                anyio.run(decode.ask, {"op": "target", "engine_id": prefill.ready["engine_id"],
-                                       "host": host, "port": int(port)})
-                got = anyio.run(decode.ask, {"op": "verify", "req": "warm", "local": [0], "remote": [0]})
-                assert got["ok"]  # handshaken: heartbeats go out from the next step on
-                for req in ("kept", "lapsed"):
-                    prefill.send({"op": "lease", "req": req, "blocks": [3, 4], "duration": 2.0})
-                    prefill.line(lambda m, req=req: m.get("leased") == req, 10)
-                started = time.monotonic()
-                while time.monotonic() - started < 10.0:
-                    anyio.run(decode.ask, {"op": "heartbeat", "reqs": ["kept"]})
-                    time.sleep(0.5)
-                lapsed = prefill.line(lambda m: m.get("lease") == "lapsed", 1)
-                assert lapsed["outcome"] == "expired"  # 2 s is a real deadline
-                got = anyio.run(decode.ask, {"op": "verify", "req": "kept", "local": [5, 6],
-                                             "remote": [3, 4]})
-                assert got == {"ok": True, "blocks": 2}
-                kept = prefill.line(lambda m: m.get("lease") == "kept", 10)
-                assert kept["outcome"] == "released", (backend, kept)  # never expired meanwhile
-                closed = prefill.close()
-                assert all(v == 0 for v in closed.values()), closed
-            finally:
-                if prefill.proc.poll() is None:
-                    prefill.proc.kill()
-                    prefill.proc.wait()
+            for attempt in range(3):
+                if _heartbeat_round(decode, backend):
+                    break
+                print(f"{backend}: round {attempt + 1} starved (beats >= 1.5 s apart possible); again")
+            else:
+                pytest.fail(f"{backend}: three rounds in a row could not send their beats in time")
     finally:
         decode.stop()
+
+
+def _heartbeat_round(decode: VllmDecode, backend: str) -> bool:
+    """One 10 s round against a fresh isolated prefill; False when the beats could not all
+    leave in time (nothing proved), True when they did and the leases behaved."""
+    prefill = ServingPrefill(dict(os.environ), decode.ready, LAYERS, BLOCKS, isolate=True, backend=backend)
+    try:
+        host, port = prefill.ready["address"].removeprefix("tcp://").rsplit(":", 1)
+        anyio.run(decode.ask, {"op": "target", "engine_id": prefill.ready["engine_id"],
+                               "host": host, "port": int(port)})
+        got = anyio.run(decode.ask, {"op": "verify", "req": "warm", "local": [0], "remote": [0]})
+        assert got["ok"]  # handshaken: heartbeats go out from the next step on
+        for req in ("kept", "lapsed"):
+            prefill.send({"op": "lease", "req": req, "blocks": [3, 4], "duration": 2.0})
+            prefill.line(lambda m, req=req: m.get("leased") == req, 10)
+        leased = time.monotonic()  # "kept" lives since at most this long
+        asked, answered = [], [leased]
+        while time.monotonic() - leased < 10.0:
+            asked.append(time.monotonic())
+            anyio.run(decode.ask, {"op": "heartbeat", "reqs": ["kept"]})
+            answered.append(time.monotonic())
+            time.sleep(0.5)
+        # Beat k left between asked[k] and answered[k + 1]: the widest gap possible between two.
+        widest = max(b - a for a, b in zip([leased, *asked[:-1]], answered[1:], strict=True))
+        lapsed = prefill.line(lambda m: m.get("lease") == "lapsed", 1)
+        assert lapsed["outcome"] == "expired"  # 2 s is a real deadline
+        got = anyio.run(decode.ask, {"op": "verify", "req": "kept", "local": [5, 6], "remote": [3, 4]})
+        assert got == {"ok": True, "blocks": 2}
+        read_by = time.monotonic() - asked[-1]  # the read-done left within this of the last beat
+        kept = prefill.line(lambda m: m.get("lease") == "kept", 10)
+        if kept["outcome"] != "released" and (widest >= 1.5 or read_by >= 1.5):
+            return False
+        assert kept["outcome"] == "released", (backend, kept, widest, read_by)  # never expired meanwhile
+        closed = prefill.close()
+        assert all(v == 0 for v in closed.values()), closed
+        return True
+    finally:
+        if prefill.proc.poll() is None:
+            prefill.proc.kill()
+            prefill.proc.wait()
 
 
 def test_the_prefill_survives_a_vllm_decode_sigkilled_mid_read_over_ucx_tcp() -> None:
