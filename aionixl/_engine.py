@@ -573,10 +573,12 @@ class Engine:
         return await self.connect(record.address, max(0.001, deadline - anyio.current_time()))
 
     async def _connect_vllm(self, address: str, *, pp_rank: int, tp_rank: int,
-                            expect_compat_hash: str | None, timeout: float) -> Peer:
+                            expect_compat_hash: str | None, timeout: float,
+                            expect_engine_id: str | None = None) -> Peer:
         """:func:`aionixl.vllm.connect`."""
         return await self._vllm.connect(address, pp_rank=pp_rank, tp_rank=tp_rank,
-                                        expect_compat_hash=expect_compat_hash, timeout=timeout)
+                                        expect_compat_hash=expect_compat_hash,
+                                        expect_engine_id=expect_engine_id, timeout=timeout)
 
     async def _serve_vllm(self, listen: str, *, engine_id: str, compat_hash: str, block_size: int,
                           kv_cache_layout: str, attn_backend_name: str, tp_rank: int, pp_rank: int,

@@ -92,18 +92,23 @@ class VllmConnector:
         self._max_descriptors = max_descriptors  # Tuning.max_peer_descriptors
         #: (endpoint, pp_rank, tp_rank) -> the peer admitted for it and vLLM's compat hash:
         #: one side channel serves several ranks, each its own agent.
-        self._admitted: dict[tuple[str, int, int], tuple[Peer, str]] = {}
+        #: (endpoint, pp, tp) -> the peer admitted there, its compatibility hash, its engine id.
+        self._admitted: dict[tuple[str, int, int], tuple[Peer, str, str]] = {}
 
     async def connect(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
-                      expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
+                      expect_compat_hash: str | None = None, expect_engine_id: str | None = None,
+                      timeout: float = 10.0) -> Peer:
         """Handshake with a vLLM NixlConnector prefill and admit its agent as a peer.
 
         Idempotent for a live peer at the same address and rank (``expect_compat_hash`` is
-        checked then too, against the hash its handshake gave). ``IncompatiblePeerError`` (``.field``
-        says what) when the region count differs from the engine's (or the bytes per block,
-        with ``EngineConfig.require_equal_geometry``), when vLLM's layout has no
-        one-id-per-block form, or when ``expect_compat_hash`` is given and differs from
-        vLLM's compatibility hash; ``HandshakeError`` for no answer or a bad reply. A
+        checked then too, against the hash its handshake gave), unless ``expect_engine_id``
+        names another engine: then it asks again (the prefill there may have restarted).
+        ``IncompatiblePeerError`` (``.field`` says what) when the region count differs from
+        the engine's (or the bytes per block, with ``EngineConfig.require_equal_geometry``),
+        when vLLM's layout has no one-id-per-block form, when ``expect_compat_hash`` is given
+        and differs from vLLM's compatibility hash, or when ``expect_engine_id`` is given and
+        the engine there announces another (``field="engine_id"``: block ids meant for that
+        engine would read another's memory); ``HandshakeError`` for no answer or a bad reply. A
         prefill whose blocks differ in size (another TP, another block size) is admitted:
         parts of blocks move between the two (``aionixl.BlockPart``).
         """
@@ -111,8 +116,8 @@ class VllmConnector:
         endpoint = _endpoint(address)
         key = (endpoint, pp_rank, tp_rank)
         known = self._admitted.get(key)
-        if known is not None and known[0].connected:
-            peer, compat_hash = known
+        if known is not None and known[0].connected and expect_engine_id in (None, known[2]):
+            peer, compat_hash, _ = known
             _check_hash(f"vLLM peer {peer.name!r} at {endpoint}", compat_hash, expect_compat_hash)
             await anyio.lowlevel.checkpoint()
             return peer
@@ -123,6 +128,9 @@ class VllmConnector:
         md = reply.metadata
         where = f"vLLM engine {md.engine_id!r} at {endpoint}"
         _check_hash(where, reply.compatibility_hash, expect_compat_hash)
+        if expect_engine_id is not None and md.engine_id != expect_engine_id:
+            raise IncompatiblePeerError(f"{where}: not the expected engine {expect_engine_id!r} (it "
+                                        "restarted since, or the address is wrong)", field="engine_id")
         ours = self._local.regions
         try:
             theirs = regions(md, ours[0].mem_type)
@@ -143,7 +151,7 @@ class VllmConnector:
         except proto.ProtocolError as exc:
             raise HandshakeError(f"unusable peer metadata from {endpoint}: {exc}") from exc
         self._admitted = {k: v for k, v in self._admitted.items() if v[0].connected}
-        self._admitted[key] = (peer, reply.compatibility_hash)
+        self._admitted[key] = (peer, reply.compatibility_hash, md.engine_id)
         await anyio.lowlevel.checkpoint()
         return peer
 

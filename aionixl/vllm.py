@@ -65,20 +65,24 @@ __all__ = [
 
 
 async def connect(engine: Engine, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
-                  expect_compat_hash: str | None = None, timeout: float = 10.0) -> Peer:
+                  expect_compat_hash: str | None = None, expect_engine_id: str | None = None,
+                  timeout: float = 10.0) -> Peer:
     """Handshake with a vLLM NixlConnector prefill worker and admit its agent as a peer of
     ``engine``.
 
-    Idempotent for a live peer at the same address. ``IncompatiblePeerError`` (``.field``
-    says what) when the region count differs from the engine's (or the bytes per block,
-    with ``EngineConfig.require_equal_geometry``), when vLLM's layout has no
-    one-id-per-block form, or when ``expect_compat_hash`` is given and differs from vLLM's
-    compatibility hash; ``HandshakeError`` for no answer or a bad reply (docs/vllm.md). A
-    prefill at another TP or block size is admitted: block parts move between the two
-    (:mod:`aionixl.layouts`).
+    Idempotent for a live peer at the same address, unless ``expect_engine_id`` (the
+    ``remote_engine_id`` a request names) differs from its engine id: then it asks again.
+    ``IncompatiblePeerError`` (``.field`` says what) when the region count differs from the
+    engine's (or the bytes per block, with ``EngineConfig.require_equal_geometry``), when
+    vLLM's layout has no one-id-per-block form, when ``expect_compat_hash`` is given and
+    differs from vLLM's compatibility hash, or when ``expect_engine_id`` is given and the
+    engine there announces another (``field="engine_id"``; a vLLM decode refuses it too);
+    ``HandshakeError`` for no answer or a bad reply (docs/vllm.md). A prefill at another TP
+    or block size is admitted: block parts move between the two (:mod:`aionixl.layouts`).
     """
     return await engine._connect_vllm(address, pp_rank=pp_rank, tp_rank=tp_rank,
-                                      expect_compat_hash=expect_compat_hash, timeout=timeout)
+                                      expect_compat_hash=expect_compat_hash,
+                                      expect_engine_id=expect_engine_id, timeout=timeout)
 
 
 async def heartbeat(engine: Engine, peer: Peer, request_ids: Iterable[str]) -> None:

@@ -308,12 +308,15 @@ class _Worker:
         else:
             self._released_early.add(req_id)
 
-    async def _peer(self, engine: aionixl.Engine, host: str, port: int) -> aionixl.Peer:
-        """The prefill at ``host:port`` (vLLM's side channel). ``aionixl.vllm.connect``
-        returns a live peer it admitted at once; the lock makes the requests that arrive
-        together wait for one handshake instead of each making its own."""
+    async def _peer(self, engine: aionixl.Engine, engine_id: str, host: str, port: int) -> aionixl.Peer:
+        """The prefill ``engine_id`` at ``host:port`` (vLLM's side channel). ``aionixl.vllm.connect``
+        returns a live peer it admitted at once, asks again if another engine answers there
+        now, and refuses one that is not ``engine_id`` (as vLLM's decode does: the block ids
+        were that engine's); the lock makes the requests that arrive together wait for one
+        handshake instead of each making its own."""
         async with self._connecting.setdefault((host, port), anyio.Lock()):
-            return await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", timeout=10.0)
+            return await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", expect_engine_id=engine_id,
+                                              timeout=10.0)
 
     async def _read(self, engine: aionixl.Engine, req_id: str, req: Any) -> None:
         """Read one request's blocks from its prefill, the read-done riding on the read;
@@ -326,7 +329,7 @@ class _Worker:
         reported = req.awaiting_kvs or bool(local)
         done = aionixl.vllm.read_notification(remote.request_id)
         try:
-            peer = await self._peer(engine, remote.host, int(remote.port))
+            peer = await self._peer(engine, remote.engine_id, remote.host, int(remote.port))
             if local:
                 await engine.transfer_blocks(peer, local, remote_ids, notify=done)
             else:  # nothing to read (all cached here, or aborted): the prefill may free
@@ -345,7 +348,7 @@ class _Worker:
     async def _heartbeat(self, engine: aionixl.Engine, remote_engine: str, host: str, port: int,
                          req_ids: Iterable[str]) -> None:
         try:
-            peer = await self._peer(engine, host, int(port))
+            peer = await self._peer(engine, remote_engine, host, int(port))
             await aionixl.vllm.heartbeat(engine, peer, sorted(req_ids))
         except aionixl.AionixlError as exc:
             log.warning("heartbeat to %s at %s:%s failed: %s", remote_engine, host, port, exc)

@@ -267,6 +267,33 @@ def test_transfer_params_are_what_a_vllm_decode_scheduler_reads() -> None:
             aionixl.vllm.transfer_params(rid, ids, **{**base, **change})  # type: ignore[arg-type]
 
 
+async def test_vllm_connect_expecting_an_engine_id_asks_again_after_a_restart_and_refuses_another() -> None:
+    """Block ids name one engine's memory: a reader told engine a's ids must not read them
+    from engine b that restarted on a's port (a vLLM decode refuses it too)."""
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    async with aionixl.Engine("d", dst_cache, listen=None) as decode:
+        listen, peers, ids = "tcp://127.0.0.1:0", [], []
+        for seed in (21, 22):
+            src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=seed)
+            async with aionixl.Engine("p", src_cache, listen=None) as prefill:
+                address = listen = await aionixl.vllm.serve(prefill, listen, **SERVE)
+                served_id = aionixl.vllm.engine_id(prefill)
+                assert served_id is not None
+                peer = await aionixl.vllm.connect(decode, address, expect_engine_id=served_id, timeout=10)
+                assert await aionixl.vllm.connect(decode, address, expect_engine_id=served_id) is peer
+                await decode.transfer_blocks(peer, [0, 1], [9, 10])
+                pairs = zip(dst_cache, src_cache, strict=True)
+                assert all(np.array_equal(d[[0, 1]], s[[9, 10]]) for d, s in pairs)  # this engine's bytes
+                if ids:  # the restart: a request for the engine before it is refused, not read here
+                    with pytest.raises(aionixl.IncompatiblePeerError, match="not the expected engine") as err:
+                        await aionixl.vllm.connect(decode, address, expect_engine_id=ids[0], timeout=10)
+                    assert err.value.field == "engine_id"
+                peers.append(peer)
+                ids.append(served_id)
+            assert prefill.metrics().vllm_requests_answered == len(peers)  # asked again for the refusal
+        assert peers[0] is not peers[1]
+
+
 async def test_vllm_connect_reuses_a_peer_only_for_its_rank_and_checks_the_hash_again() -> None:
     async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill, \
             aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
