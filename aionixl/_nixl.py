@@ -429,8 +429,9 @@ class NixlAgent:
         return False
 
 
-#: The idle period of NIXL's progress thread in an agent that serves readers nobody here
-#: polls for (vLLM decoders: over UCX TCP their reads need the target to make progress).
+#: The idle period of NIXL's progress thread in the in-process agent that serves readers
+#: nobody here polls for (vLLM decoders: over UCX TCP their reads need the target to make
+#: progress; a serving child keeps its own, ``_vllm_sidecar.PROGRESS_DELAY_US``).
 #: The thread waits on the UCX worker's event fd, so traffic wakes it at once; this is only
 #: its timeout (NIXL rounds it up to whole milliseconds; 0 would spin a core). Measured
 #: here, serving a real vLLM decode: one-block reads as fast with 10 ms as with 1 ms, the

@@ -40,7 +40,7 @@ import numpy as np
 
 from ._errors import AionixlError
 from ._lines import LineReader, write_fd
-from ._nixl import NixlAgent, serving_agent
+from ._nixl import NixlAgent
 from ._notifications import Notification
 from ._protocol import RegionInfo
 from ._ratelimit import RateLimitedLog
@@ -51,6 +51,13 @@ from ._shared import SharedSpan
 START_TIMEOUT = 60.0
 #: Waits before starting a replacement: the first, doubling after failed starts up to the last.
 RESTART_DELAY = (0.2, 5.0)
+#: The child's NIXL progress thread's idle timeout (NIXL rounds it up to 1 ms; 0 would spin a
+#: core). Not the in-process serving agent's 10 ms (``_nixl.SERVING_PROGRESS_DELAY_US``): with
+#: 10 ms here, two CI runs in a row let a 2 s lease expire although the relayed heartbeats
+#: left the decode on time; with this value that test passed in three CI runs and failed
+#: once (a child stalled for 10 s). Not understood; idle, the child costs ~2.5 % of a core
+#: more for it.
+PROGRESS_DELAY_US = 100
 #: The engine pings a serving child this often and replaces one that does not answer within
 #: the deadline (stopped, or stuck in UCX: it would never exit by itself). Generous: under a
 #: loaded CI run a serving child once left a ping unanswered for over 10 s while serving its
@@ -329,7 +336,8 @@ def _map_regions(rows: list[list[int]]) -> tuple[list[Region], list[Any]]:
 
 async def _serve(spec: dict[str, Any], ctl: int) -> None:
     regions, keep = _map_regions(spec["regions"])
-    agent = serving_agent(spec["name"], tuple(spec["backends"]), True, False)
+    agent = NixlAgent(spec["name"], tuple(spec["backends"]), progress_thread=True,
+                      progress_delay_us=PROGRESS_DELAY_US)
     try:
         agent.register(registration_spans(regions), "DRAM")
         write_fd(ctl, {"ready": {"metadata": base64.b64encode(agent.metadata()).decode(),
