@@ -90,9 +90,8 @@ class VllmConnector:
         #: EngineConfig.require_equal_geometry: refuse a prefill whose block sizes differ.
         self._equal_geometry = config.require_equal_geometry
         self._max_descriptors = max_descriptors  # Tuning.max_peer_descriptors
-        #: (endpoint, pp_rank, tp_rank) -> the peer admitted for it and vLLM's compat hash:
-        #: one side channel serves several ranks, each its own agent.
-        #: (endpoint, pp, tp) -> the peer admitted there, its compatibility hash, its engine id.
+        #: (endpoint, pp_rank, tp_rank) -> the peer admitted for it, vLLM's compat hash and the
+        #: engine id it announced: one side channel serves several ranks, each its own agent.
         self._admitted: dict[tuple[str, int, int], tuple[Peer, str, str]] = {}
 
     async def connect(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,

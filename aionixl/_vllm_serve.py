@@ -22,7 +22,6 @@ aionixl's handshake.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +43,7 @@ from ._notifications import Notification
 from ._ratelimit import RateLimitedLog
 from ._regions import registration_spans
 from ._shared import locate_all
-from ._vllm_sidecar import Served, Sidecar
+from ._vllm_sidecar import Served, Sidecar, agent_suffix
 from ._vllm_wire import (
     MAX_REQUEST_BYTES,
     VllmWireError,
@@ -182,7 +181,7 @@ class VllmServer:
                                    deliver=self._deliver, on_ready=self._served, on_down=self._down,
                                    noisy=self._noisy)
         else:
-            suffix = secrets.token_hex(4)
+            suffix = agent_suffix()
             self.agent = ServingAgent(self._local, self._config.backends,
                                       self._tuning.agent_factory or serving_agent, suffix, progress_thread)
             served_id = self._announce(first=True, suffix=suffix)
@@ -206,13 +205,12 @@ class VllmServer:
         if self.sidecar is not None:
             self.sidecar.stop()
         problems: list[str] = []
-        self.release(problems)
+        self.release(problems)  # no reply, no engine id, not announced any more
         if problems:
             log.error("engine %r: releasing its vLLM serving agent: %s", self._local.name,
                       "; ".join(problems))
-        self.sidecar, self._payload, self.engine_id = None, b"", None
+        self.sidecar = None
         self.configured = self.serving = False
-        _SERVERS.discard(self)
 
     def live(self) -> dict[str, int]:
         """What the serving agent in this process holds (``Engine.live_resources``)."""

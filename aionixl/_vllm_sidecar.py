@@ -66,6 +66,12 @@ PING_INTERVAL = 0.5
 PING_DEADLINE = 30.0
 
 
+def agent_suffix() -> str:
+    """The end of a new serving agent's name, and of the engine id it announces: 8 random
+    hex digits, new for each agent (see ``Served``)."""
+    return secrets.token_hex(4)
+
+
 @dataclass(frozen=True, slots=True)
 class Served:
     """What a running child serves: its agent's metadata, the regions at its addresses,
@@ -129,7 +135,7 @@ class Sidecar:
 
     async def _child(self, generation: int, task_status: anyio.abc.TaskStatus[None] | None) -> None:
         """Run one child until it ends; raises ``AionixlError`` if it never served."""
-        suffix = secrets.token_hex(4)
+        suffix = agent_suffix()
         spec = {"name": f"{self._name}-vllm-{suffix}", "backends": list(self._backends),
                 "poll_interval": self._poll_interval, "parent": os.getpid(),
                 "regions": [[s.fd, s.offset, r.stride, r.block_bytes, r.num_blocks]
