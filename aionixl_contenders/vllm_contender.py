@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aionixl._bench._child import module_command
+from aionixl._bench._child import module_command, pin_threads
 from aionixl._lines import LineReader, encode_line
 
 
@@ -94,6 +94,17 @@ class Child:
         return code
 
 
+def _verify(ctx: Any, decode: Child, req: str, what: str) -> int:
+    """The decode reads ``ctx.verify_set`` under request ``req`` and compares every word with
+    the prefill pattern; the blocks it checked (``RuntimeError`` naming ``what`` on a mismatch)."""
+    loc, rem = ctx.verify_set
+    reply = decode.ask({"op": "verify", "req": req, "local": [int(x) for x in loc],
+                        "remote": [int(x) for x in rem]})
+    if not reply["ok"]:
+        raise RuntimeError(f"{what}: the bytes read do not match the prefill pattern")
+    return int(reply["blocks"])
+
+
 def _lists(pairs: list[tuple[Any, Any]]) -> list[list[list[int]]]:
     return [[[int(x) for x in loc], [int(x) for x in rem]] for loc, rem in pairs]
 
@@ -142,12 +153,7 @@ def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -
 
     def verify(when: str) -> None:
         nonlocal checked
-        loc, rem = ctx.verify_set
-        reply = decode.ask({"op": "verify", "req": held(1)[0], "local": [int(x) for x in loc],
-                            "remote": [int(x) for x in rem]})
-        if not reply["ok"]:
-            raise RuntimeError(f"vLLM connector ({when}): the bytes read do not match the prefill pattern")
-        checked += int(reply["blocks"])
+        checked += _verify(ctx, decode, held(1)[0], f"vLLM connector ({when})")
 
     host, port = p_ready["address"].removeprefix("tcp://").rsplit(":", 1)
     ctx.progress("vLLM connector: handshakes (vLLM's handshake thread; the engine dropped between)")
@@ -203,13 +209,6 @@ def _measure(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str, Any]) -
     return out
 
 
-def _pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process ``pid`` onto ``cpus``."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cpus)
-
-
 def _spaced_p50(ctx: Any, decode: Child, hold: Any) -> list[float]:
     """Per repeat, the p50 of one-block reads ``spaced_gap_s`` apart, each held by ``hold``."""
     spec = ctx.spec
@@ -243,15 +242,16 @@ def _measure_serving(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str,
     cpus = sorted(os.sched_getaffinity(0))
     prefill_cpus = ["--cpus", str(cpus[0])] if len(cpus) > 1 else []
     if prefill_cpus:
-        _pin(decode.proc.pid, {cpus[-1]})
-        _pin(prefill.proc.pid, {cpus[0]})
+        pin_threads(decode.proc.pid, {cpus[-1]})
+        pin_threads(prefill.proc.pid, {cpus[0]})
     host, port = p_ready["address"].removeprefix("tcp://").rsplit(":", 1)
     decode.ask({"op": "target", "engine_id": p_ready["engine_id"], "host": host, "port": int(port)})
     ctx.progress(f"vLLM decode: one-block reads {spec.spaced_gap_s * 1e3:g} ms apart from the vLLM prefill")
     out: dict[str, Any] = {"spaced_1_p50_vllm": _spaced_p50(ctx, decode, held_by_vllm)}
     # Each prefill alone with the decode: vLLM's, idle, would still keep a core busy.
-    if prefill.stop():
-        raise RuntimeError(f"the vLLM prefill exited with {prefill.stop()}")
+    code = prefill.stop()
+    if code:
+        raise RuntimeError(f"the vLLM prefill exited with {code}")
     geometry = ["--layers", str(spec.regions), "--blocks", str(spec.blocks), "--page", str(spec.block_bytes),
                 "--compat-hash", d_ready["compat_hash"], "--block-size", str(d_ready["block_size"]),
                 "--attn-backend", d_ready["attn_backend"]]
@@ -268,12 +268,7 @@ def _measure_serving(ctx: Any, prefill: Child, decode: Child, p_ready: dict[str,
                 serving.ask({"op": "hold_many", "reqs": ids, "blocks": [0], "duration": 600})
                 return ids
 
-            loc, rem = ctx.verify_set
-            reply = decode.ask({"op": "verify", "req": held_by_aionixl(1)[0], "local": [int(x) for x in loc],
-                                "remote": [int(x) for x in rem]})
-            if not reply["ok"]:
-                raise RuntimeError(f"vLLM decode from an aionixl prefill ({key}): the bytes read do not "
-                                   "match the prefill pattern")
+            _verify(ctx, decode, held_by_aionixl(1)[0], f"vLLM decode from an aionixl prefill ({key})")
             out[f"spaced_1_p50_{key}"] = _spaced_p50(ctx, decode, held_by_aionixl)
             out[f"idle_cpu_{key}"] = serving.ask({"op": "idle", "settle_s": spec.idle_settle_s,
                                                   "windows": spec.idle_windows,
@@ -367,16 +362,11 @@ class VllmPd:
         rec.adopt(reply)
 
     def verify(self) -> int:
-        loc, rem = self.ctx.verify_set
         self._resume()
         try:
-            reply = self.decode.ask({"op": "verify", "req": self._held(1)[0], "local": [int(x) for x in loc],
-                                     "remote": [int(x) for x in rem]})
+            return _verify(self.ctx, self.decode, self._held(1)[0], "vLLM connector (P/D)")
         finally:
             self._pause()
-        if not reply["ok"]:
-            raise RuntimeError("vLLM connector (P/D): the bytes read do not match the prefill pattern")
-        return int(reply["blocks"])
 
     def close(self) -> None:
         codes = {}

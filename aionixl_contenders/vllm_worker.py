@@ -24,7 +24,6 @@ stdin shuts the connectors down and exits.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import select
@@ -40,6 +39,7 @@ os.environ.setdefault("VLLM_KV_CACHE_LAYOUT", "LBHNC")
 
 import numpy as np
 
+from aionixl._bench._child import pin_threads
 from aionixl._bench._memory import expected_words
 from aionixl._lines import LineReader, write_file
 
@@ -161,10 +161,7 @@ class VllmSide:
         self.affinity = sorted(os.sched_getaffinity(0))
         worker.register_kv_caches(dict(zip(self.layer_names, self._views, strict=True)))
         if self._unpin:  # the bench: every thread of this process may run on any CPU again
-            every = range(os.cpu_count() or 1)
-            for tid in os.listdir("/proc/self/task"):
-                with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(tid), every)
+            pin_threads(os.getpid(), range(os.cpu_count() or 1))
         return worker
 
     def new_listener(self, worker: Any, port: int) -> Any:

@@ -9,9 +9,10 @@ aionixl checkout (or another version) could stand in for the one running the ben
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 
@@ -30,3 +31,10 @@ def module_command(module: str, *args: str,
     path = [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     child_env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in path if p != root]])
     return [sys.executable, "-m", module, *args], child_env
+
+
+def pin_threads(pid: int, cpus: Iterable[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (a thread that ended meanwhile is skipped)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
