@@ -33,6 +33,7 @@ import numpy as np
 import aionixl
 import aionixl.lowlevel
 import aionixl.vllm
+from aionixl._bench._child import cpu_seconds
 from aionixl._bench._memory import expected_words
 from aionixl._lines import LineReader, write_file
 
@@ -47,19 +48,6 @@ def cache(layers: int, blocks: int, page: int, shared: bool) -> list[np.ndarray]
     buf = aionixl.shared_dram(layers * blocks * page).reshape(layers, blocks, page)
     buf[:] = regions
     return list(buf)
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds its live threads have run, of process ``pid``: the scheduler's nanosecond
-    count (/proc/PID/stat counts 10 ms ticks, too coarse for an idle process)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return total / 1e9
 
 
 async def idle_cpu(engine: aionixl.Engine, cmd: dict[str, Any]) -> list[float]:

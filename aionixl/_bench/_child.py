@@ -38,3 +38,16 @@ def pin_threads(pid: int, cpus: Iterable[int]) -> None:
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(int(tid), cpus)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds its live threads have run, of process ``pid``: the scheduler's nanosecond
+    count (/proc/PID/stat counts 10 ms ticks, too coarse for an idle process)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9

@@ -1,4 +1,5 @@
-"""Real vLLM prefill/decode pairs, offline on CPUs, each instance a child process of its own.
+"""Real vLLM prefill/decode pairs on CPUs, each instance a child process of its own: for the
+tests of vLLM's connectors (tests_vllm/) and for ``aionixl bench --workload vllm-pairs``.
 
 A KV connector is proven by what vLLM computes with it, not by the bytes it moves: a decode
 that produced the tokens of prompt A while it was given prompt B (and A's ``kv_transfer_params``)
@@ -6,10 +7,11 @@ can only have attended over the KV cache the prefill computed for A. That needs 
 greedy outputs depend on the whole prompt, so :func:`write_tiny_llama` writes a tiny Llama with
 seeded random weights (vLLM's dummy weights make every logit equal).
 
-Every instance is ``python -m tests_vllm.pd_pair --role ROLE ...`` (an ``LLM`` with or without a
-``kv_transfer_config``), in a session of its own so that vLLM's engine-core and worker processes
-go with it when it has to be killed. Messages (:mod:`aionixl._lines`): the child writes ``{"ready": ...}``
-(or ``{"error": ...}``) on ``--fd``, then one reply per command it reads on stdin:
+Every instance is ``python -m aionixl_contenders.vllm_pair --role ROLE ...`` (an offline ``LLM``
+with or without a ``kv_transfer_config``), in a session of its own so that vLLM's engine-core
+and worker processes go with it when it has to be killed. Messages (:mod:`aionixl._lines`): the
+child writes ``{"ready": ...}`` (or ``{"error": ...}``) on ``--fd``, then one reply per command
+it reads on stdin:
 
 - ``{"op": "generate", "requests": [{"prompt_token_ids": [...], "kv_transfer_params": {...}}],
   "max_tokens": N, "logprobs": K}``: greedy, ``ignore_eos``, all requests in one ``LLM.generate``
@@ -19,6 +21,11 @@ go with it when it has to be killed. Messages (:mod:`aionixl._lines`): the child
 - ``{"op": "info"}``: ``{"info": [{"pid", "name", "threads"}, ...]}``, the child and every
   process under it: vLLM's engine core (the connector's scheduler half) and its worker (the
   connector's worker half, which moves the KV).
+- With ``--open-loop`` the instance is vLLM's ``AsyncLLM`` instead, and takes
+  ``{"op": "submit", "id", "prompt_token_ids", "max_tokens", "kv_transfer_params"}`` (no
+  ``generate``): each request starts when it comes, answered ``{"done": ID, "first_token_at",
+  "done_at", ...}`` (an output's fields, times on ``time.monotonic``) or ``{"failed": ID, "error"}``
+  when it ends.
 - ``{"op": "stop"}`` or the end of stdin: shuts the engine core down, answers ``{"stopped":
   {"shutdown_s", "engine_exit_codes", "threads_left"}}`` and exits.
 
@@ -28,6 +35,7 @@ vLLM's own output (much of it) goes to a log file; its tail comes with every err
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -41,7 +49,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 from aionixl._bench._child import module_command
 from aionixl._lines import LineReader, decode_line, encode_line, write_file
@@ -56,7 +64,7 @@ KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {"prefill": "kv_pro
 DEFAULT_OMP_BIND: dict[str, str] = {"prefill": "0", "decode": "1", "single": "0"}
 #: CPU attention needs blocks of a multiple of 32 tokens.
 BLOCK_SIZE = 32
-MODULE = "tests_vllm.pd_pair"
+MODULE = "aionixl_contenders.vllm_pair"
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ class VllmInstance:
     def __init__(self, model: Path, role: Role, connector: ConnectorSpec | None = None, *,
                  side_channel_port: int | None = None, omp_bind: str | None = None,
                  log_path: Path | None = None, dtype: str = "bfloat16", max_model_len: int = 1024,
-                 kv_cache_bytes: int = 256 << 20, seed: int = 0) -> None:
+                 kv_cache_bytes: int = 256 << 20, seed: int = 0, open_loop: bool = False) -> None:
         if (connector is None) != (role == "single"):
             raise ValueError(f"a {role} instance needs {'no' if role == 'single' else 'a'} connector")
         self.role = role
@@ -173,7 +181,7 @@ class VllmInstance:
         args = ["--role", role, "--model", str(model), "--dtype", dtype,
                 "--max-model-len", str(max_model_len), "--kv-cache-bytes", str(kv_cache_bytes),
                 "--seed", str(seed), "--side-channel-port", str(self.side_channel_port),
-                "--omp-bind", omp_bind or DEFAULT_OMP_BIND[role]]
+                "--omp-bind", omp_bind or DEFAULT_OMP_BIND[role], *(["--open-loop"] if open_loop else [])]
         if connector is not None:
             args += ["--kv-connector", connector.kv_connector,
                      "--extra-config", json.dumps(dict(connector.extra_config))]
@@ -252,6 +260,34 @@ class VllmInstance:
         assert self.proc.stdin is not None
         self.proc.stdin.write(encode_line(_generate_command(prompts, max_tokens, kv_transfer_params, None)))
         self.proc.stdin.flush()
+
+    def submit(self, request_id: str, prompt: Sequence[int], *, max_tokens: int,
+               kv_transfer_params: Mapping[str, Any] | None = None, logprobs: int | None = None) -> None:
+        """Start one request in an ``open_loop`` instance; its answer comes through
+        :meth:`messages` (``done`` or ``failed``, with this id)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(encode_line({"op": "submit", "id": request_id, "max_tokens": max_tokens,
+                                           "prompt_token_ids": list(map(int, prompt)),
+                                           "kv_transfer_params": dict(kv_transfer_params or {}) or None,
+                                           "logprobs": logprobs}))
+        self.proc.stdin.flush()
+
+    def fileno(self) -> int:
+        """Where this instance's messages arrive (for ``select``)."""
+        return self._fd
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The messages that arrived, after ``select`` found :meth:`fileno` readable."""
+        chunk = os.read(self._fd, 1 << 20)
+        if not chunk:
+            raise self._fail(f"exited (code {self.proc.wait()})")
+        self._reader.feed(chunk)
+        found = []
+        while (msg := self._reader.pop()) is not None:
+            if "error" in msg and "failed" not in msg:
+                raise self._fail(f"{msg['error']}\n{msg.get('traceback', '')}")
+            found.append(msg)
+        return found
 
     def prefill(self, prompts: Sequence[Sequence[int]], timeout: float = 300.0) -> list[Output]:
         """Prefill ``prompts`` for a remote decode: one token each, the KV kept for the decode to
@@ -338,14 +374,16 @@ def _generate_command(prompts: Sequence[Sequence[int]], max_tokens: int,
 
 
 def _process_tree() -> list[dict[str, Any]]:
-    """This process and every process under it: pid, name and thread count."""
+    """This process and every process under it: pid, name, thread count, main thread's CPUs."""
     import psutil
 
     me = psutil.Process()
     tree = []
     for proc in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            tree.append({"pid": proc.pid, "name": proc.name(), "threads": proc.num_threads()})
+            # The main thread's CPUs: where vLLM's CPU worker computes (a connector may move it).
+            tree.append({"pid": proc.pid, "name": proc.name(), "threads": proc.num_threads(),
+                         "cpus": sorted(os.sched_getaffinity(proc.pid))})
     return tree
 
 
@@ -367,8 +405,8 @@ def _error(exc: BaseException) -> dict[str, Any]:
     return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
-def _build_llm(args: argparse.Namespace) -> Any:
-    from vllm import LLM
+def _engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's engine arguments for this instance (``LLM`` and ``AsyncEngineArgs`` take the same)."""
     from vllm.config import KVTransferConfig
 
     kv_transfer_config = None
@@ -377,31 +415,55 @@ def _build_llm(args: argparse.Namespace) -> Any:
             kv_connector=args.kv_connector, kv_role=KV_ROLES[args.role], kv_buffer_device="cpu",
             kv_connector_module_path=args.kv_connector_module_path,
             kv_connector_extra_config=json.loads(args.extra_config))
-    return LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
-               seed=args.seed, block_size=BLOCK_SIZE, max_model_len=args.max_model_len,
-               kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
-               kv_transfer_config=kv_transfer_config)
+    return {"model": args.model, "skip_tokenizer_init": True, "dtype": args.dtype, "enforce_eager": True,
+            "seed": args.seed, "block_size": BLOCK_SIZE, "max_model_len": args.max_model_len,
+            "kv_cache_memory_bytes": args.kv_cache_bytes, "enable_prefix_caching": False,
+            "kv_transfer_config": kv_transfer_config}
+
+
+def _sampling_params(max_tokens: int, kv_transfer_params: dict[str, Any] | None, logprobs: int | None) -> Any:
+    """Greedy, ``ignore_eos``: every request makes exactly ``max_tokens`` tokens."""
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs,
+                          extra_args=extra)
+
+
+def _output(result: Any) -> dict[str, Any]:
+    """One request's ``RequestOutput`` as a message (:class:`Output`'s fields)."""
+    first = result.outputs[0]
+    return {"token_ids": list(first.token_ids), "kv_transfer_params": result.kv_transfer_params,
+            "num_cached_tokens": result.num_cached_tokens, "margins": _margins(first.logprobs),
+            "finish_reason": first.finish_reason}
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts, params = [], []
-    for request in cmd["requests"]:
-        prompts.append(TokensPrompt(prompt_token_ids=request["prompt_token_ids"]))
-        kv = request["kv_transfer_params"]
-        extra = {"kv_transfer_params": kv} if kv else None
-        params.append(SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
-                                     logprobs=cmd.get("logprobs"), extra_args=extra))
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in cmd["requests"]]
+    params = [_sampling_params(cmd["max_tokens"], r["kv_transfer_params"], cmd.get("logprobs"))
+              for r in cmd["requests"]]
     start = time.monotonic()
     results = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.monotonic() - start
-    outputs = [{"token_ids": list(r.outputs[0].token_ids), "kv_transfer_params": r.kv_transfer_params,
-                "num_cached_tokens": r.num_cached_tokens, "margins": _margins(r.outputs[0].logprobs),
-                "finish_reason": r.outputs[0].finish_reason}
-               for r in results]
-    return {"outputs": outputs, "elapsed_s": elapsed}
+    return {"outputs": [_output(r) for r in results], "elapsed_s": elapsed}
+
+
+def _ready(args: argparse.Namespace, started: float) -> dict[str, Any]:
+    return {"ready": {"pid": os.getpid(), "role": args.role, "build_s": time.monotonic() - started,
+                      "side_channel_port": args.side_channel_port, "processes": _process_tree()}}
+
+
+def _stopped(client: Any, shutdown_s: float) -> dict[str, Any]:
+    """The stop's report: the engine core's shutdown time, how its processes ended, and the
+    threads that would keep this process from exiting (a hang at exit names its culprit)."""
+    import threading
+
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    engine_codes = [p.exitcode for p in getattr(manager, "processes", [])]
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    return {"stopped": {"shutdown_s": shutdown_s, "engine_exit_codes": engine_codes, "threads_left": left}}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -413,14 +475,17 @@ def _serve(args: argparse.Namespace) -> int:
     # vLLM gives its worker 5 s to exit before it terminates it, and its engine core 5 s before it
     # kills it: a stop is timed whole, not cut short (a slow connector teardown shows as slow).
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(args.shutdown_timeout)))
-    start = time.monotonic()
+    if args.open_loop:
+        return asyncio.run(_serve_open_loop(args, out))
+    started = time.monotonic()
     try:
-        llm = _build_llm(args)
+        from vllm import LLM
+
+        llm = LLM(**_engine_arguments(args))
     except Exception as exc:
         write_file(out, _error(exc))
         return 1
-    write_file(out, {"ready": {"pid": os.getpid(), "role": args.role, "build_s": time.monotonic() - start,
-                               "side_channel_port": args.side_channel_port, "processes": _process_tree()}})
+    write_file(out, _ready(args, started))
     for raw in sys.stdin.buffer:
         cmd = decode_line(raw)
         if cmd is None:
@@ -437,20 +502,86 @@ def _serve(args: argparse.Namespace) -> int:
         except Exception as exc:
             reply = _error(exc)
         write_file(out, reply)
-    start = time.monotonic()
+    started = time.monotonic()
     client = llm.llm_engine.engine_core
     client.shutdown(timeout=args.shutdown_timeout)
-    shutdown_s = time.monotonic() - start
-    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-    engine_codes = [p.exitcode for p in getattr(manager, "processes", [])]
-    import threading
-
-    # Threads that would keep this process from exiting: a hang at exit names its culprit.
-    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     with contextlib.suppress(OSError):  # the parent may have stopped listening (end of stdin)
-        write_file(out, {"stopped": {"shutdown_s": shutdown_s, "engine_exit_codes": engine_codes,
-                                     "threads_left": left}})
+        write_file(out, _stopped(client, time.monotonic() - started))
     return 0
+
+
+async def _serve_open_loop(args: argparse.Namespace, out: TextIO) -> int:
+    """``--open-loop``: vLLM's ``AsyncLLM`` (the engine behind its API server), each
+    ``submit`` a request of its own that starts at once, whatever else is running."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    started = time.monotonic()
+    try:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_arguments(args)))
+    except Exception as exc:
+        write_file(out, _error(exc))
+        return 1
+    write_file(out, _ready(args, started))
+    loop = asyncio.get_running_loop()
+    commands: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    reader = LineReader()
+    stdin = sys.stdin.fileno()
+
+    def readable() -> None:
+        chunk = os.read(stdin, 1 << 20)
+        if not chunk:
+            loop.remove_reader(stdin)
+            commands.put_nowait(None)
+            return
+        reader.feed(chunk)
+        while (cmd := reader.pop()) is not None:
+            commands.put_nowait(cmd)
+
+    loop.add_reader(stdin, readable)
+    running: set[asyncio.Task[None]] = set()
+    while (cmd := await commands.get()) is not None and cmd.get("op") != "stop":
+        if cmd.get("op") == "submit":
+            task = asyncio.create_task(_open_loop_request(engine, cmd, out))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        elif cmd.get("op") == "info":
+            write_file(out, {"info": _process_tree()})
+        else:
+            write_file(out, {"error": f"unknown command {cmd!r}"})
+    loop.remove_reader(stdin)
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    started = time.monotonic()
+    engine.shutdown(timeout=args.shutdown_timeout)
+    with contextlib.suppress(OSError):
+        write_file(out, _stopped(engine.engine_core, time.monotonic() - started))
+    return 0
+
+
+async def _open_loop_request(engine: Any, cmd: dict[str, Any], out: TextIO) -> None:
+    """One ``submit``: answered ``{"done": ID, "first_token_at", "done_at", **Output}`` when it
+    ends (times on this machine's ``time.monotonic`` clock, which every process shares), or
+    ``{"failed": ID, "error"}``."""
+    from vllm.inputs import TokensPrompt
+
+    params = _sampling_params(cmd["max_tokens"], cmd.get("kv_transfer_params"), cmd.get("logprobs"))
+    first_token_at = None
+    result = None
+    try:
+        async for result in engine.generate(TokensPrompt(prompt_token_ids=cmd["prompt_token_ids"]), params,
+                                            request_id=str(cmd["id"])):
+            if first_token_at is None and result.outputs and result.outputs[0].token_ids:
+                first_token_at = time.monotonic()
+    except Exception as exc:
+        write_file(out, {"failed": cmd["id"], "error": f"{type(exc).__name__}: {exc}"})
+        return
+    if result is None:
+        write_file(out, {"failed": cmd["id"], "error": "vLLM gave no output"})
+        return
+    write_file(out, {"done": cmd["id"], "first_token_at": first_token_at, "done_at": time.monotonic(),
+                     **_output(result)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -467,6 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--open-loop", action="store_true",
+                   help="vLLM's AsyncLLM, taking submit commands whenever they come (the load bench)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="how long vLLM waits for its engine core (and that for its worker) to exit")
     args = p.parse_args(argv)
