@@ -17,7 +17,8 @@ read-done releases and its heartbeats extend, and posts a decode's reads as soon
 handshake completes. NIXL's progress thread stays off, the serving agent's too (one OS
 thread fewer per worker; a decode's read then waits for the engine's next poll, at most
 ``Tuning.notification_poll_interval`` while the prefill holds leases); nothing spins; the
-compute thread's CPU mask is left alone.
+compute thread's CPU mask is left alone, and the loop thread runs on any CPU (not on the one
+core vLLM's CPU backend binds the compute thread to).
 
 Only this module imports vLLM (``import aionixl`` does not). Supported: TP 1 and PP 1, CPU
 or GPU memory that one aionixl engine registers, block sizes with one kernel block per
@@ -28,7 +29,9 @@ protocol has no authentication), ``aionixl_transfer_timeout`` (a read's deadline
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 from collections import deque
 from collections.abc import Iterable
@@ -231,6 +234,7 @@ class _Worker:
 
     async def _run(self, regions: list[Any], names: list[str], backend: str, compat_hash: str,
                    block_size: int, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        _run_anywhere()
         config = aionixl.EngineConfig(allow_unauthenticated=self._trusted_network,
                                       transfer_timeout=self._transfer_timeout)
         name = f"aionixl-vllm-{self._engine_id}"
@@ -352,6 +356,16 @@ class _Worker:
             await aionixl.vllm.heartbeat(engine, peer, sorted(req_ids))
         except aionixl.AionixlError as exc:
             log.warning("heartbeat to %s at %s:%s failed: %s", remote_engine, host, port, exc)
+
+
+def _run_anywhere() -> None:
+    """Let the calling thread (the loop's) run on every CPU this process may use. It was
+    started from vLLM's compute thread, whose OpenMP binding (one core on CPU) it would
+    inherit: there it queued behind whatever else was bound to that core (in a test, a
+    NixlConnector decode's spinning progress thread) and its side channel went unanswered
+    for seconds. The compute thread's own mask is left alone."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux, or no such CPUs: as it was
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 def _drain(items: deque[Any]) -> set[Any]:

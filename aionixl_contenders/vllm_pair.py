@@ -75,6 +75,7 @@ class ConnectorSpec:
     kv_connector: str
     module_path: str | None = None
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = None  # None: the role's own
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ class VllmInstance:
                 "--seed", str(seed), "--side-channel-port", str(self.side_channel_port),
                 "--omp-bind", omp_bind or DEFAULT_OMP_BIND[role], *(["--open-loop"] if open_loop else [])]
         if connector is not None:
-            args += ["--kv-connector", connector.kv_connector,
+            kv_role = connector.kv_role or KV_ROLES[role]
+            args += ["--kv-connector", connector.kv_connector, "--kv-role", kv_role,
                      "--extra-config", json.dumps(dict(connector.extra_config))]
             if connector.module_path:
                 args += ["--kv-connector-module-path", connector.module_path]
@@ -412,7 +414,7 @@ def _engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
     kv_transfer_config = None
     if args.role != "single":
         kv_transfer_config = KVTransferConfig(
-            kv_connector=args.kv_connector, kv_role=KV_ROLES[args.role], kv_buffer_device="cpu",
+            kv_connector=args.kv_connector, kv_role=args.kv_role, kv_buffer_device="cpu",
             kv_connector_module_path=args.kv_connector_module_path,
             kv_connector_extra_config=json.loads(args.extra_config))
     return {"model": args.model, "skip_tokenizer_init": True, "dtype": args.dtype, "enforce_eager": True,
@@ -591,6 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--kv-connector")
     p.add_argument("--kv-connector-module-path")
+    p.add_argument("--kv-role", choices=("kv_producer", "kv_consumer", "kv_both"))
     p.add_argument("--extra-config", default="{}", help="kv_connector_extra_config, as JSON")
     p.add_argument("--side-channel-port", type=int, required=True)
     p.add_argument("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND")

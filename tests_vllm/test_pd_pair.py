@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,9 @@ Fleet = dict[str, VllmInstance]
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """A prefill and a decode instance of each connector, started side by side. A decode reads
-    from whichever prefill a request's ``kv_transfer_params`` name, so these four make every
-    pair; an instance asked without transfer params computes as a plain single instance
+    """A prefill and a decode instance of each connector, and an AionixlConnector instance that
+    is both, started side by side. A decode reads from whichever prefill a request's
+    ``kv_transfer_params`` name, so these make every pair; an instance asked without transfer params computes as a plain single instance
     does (the NixlConnector prefill gives the tokens a pair must reproduce). Stopped on the
     way out (the last test checks those stops)."""
     log_dir = tmp_path_factory.mktemp("pd-logs")
@@ -76,6 +76,10 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             for role in ("prefill", "decode"):
                 instances[f"{role} {name}"] = VllmInstance(tiny_model, role, spec(name),  # type: ignore[arg-type]
                                                            log_path=log_dir / f"{role}-{name}.log")
+        # One instance both ways (kv_role "kv_both"): a prefill to some requests, a decode to others.
+        instances["both AionixlConnector"] = VllmInstance(
+            tiny_model, "prefill", replace(spec("AionixlConnector"), kv_role="kv_both"), omp_bind="1",
+            log_path=log_dir / "both-AionixlConnector.log")
         for instance in instances.values():
             instance.wait_ready(600)
         print(f"\n{len(instances)} instances ready in {time.monotonic() - started:.1f} s")
@@ -142,6 +146,23 @@ def test_decode_generates_from_the_prefills_kv(prefill_connector: str, decode_co
           f"decode {threads(decode.info())}")
 
 
+@pytest.mark.slow
+def test_a_kv_both_aionixl_instance_serves_reads_and_reads(fleet: Fleet, cases: list[Case]) -> None:
+    """``"kv_role": "kv_both"``: the same AionixlConnector instance prefills for vLLM's
+    NixlConnector decode and for aionixl's, and decodes from vLLM's NixlConnector prefill."""
+    both = fleet["both AionixlConnector"]
+    for name in ("decode NixlConnector", "decode AionixlConnector"):
+        prefilled = both.prefill([c.a for c in cases])
+        assert [o.token_ids for o in prefilled] == [c.want_a[:1] for c in cases]
+        decoded = fleet[name].generate([c.b for c in cases], max_tokens=MAX_TOKENS,
+                                       kv_transfer_params=[o.kv_transfer_params for o in prefilled])
+        assert [o.token_ids for o in decoded] == [c.want_a for c in cases], name
+    prefilled = fleet["prefill NixlConnector"].prefill([c.a for c in cases])
+    decoded = both.generate([c.b for c in cases], max_tokens=MAX_TOKENS,
+                            kv_transfer_params=[o.kv_transfer_params for o in prefilled])
+    assert [o.token_ids for o in decoded] == [c.want_a for c in cases]
+
+
 def worker(instance: VllmInstance) -> dict[str, Any]:
     """The instance's vLLM worker process (pid, name, threads)."""
     (found,) = [p for p in instance.info() if p["name"] == "VLLM::Worker"]
@@ -175,7 +196,7 @@ def test_an_idle_aionixl_worker_uses_at_most_5_percent_of_a_core(fleet: Fleet) -
     wall = time.monotonic() - started
     used = {key: round((sum(p.cpu_times()[:2]) - before[key]) / wall, 3) for key, p in procs.items()}
     print(f"\nidle worker CPU, cores: {used}")
-    for name in ("prefill AionixlConnector", "decode AionixlConnector"):
+    for name in ("prefill AionixlConnector", "decode AionixlConnector", "both AionixlConnector"):
         assert used[name] <= 0.05, used
 
 
