@@ -242,6 +242,7 @@ def isolated_prefill_and_decode(env: dict[str, str], layers: int, blocks: int
             prefill.proc.wait()
 
 
+@pytest.mark.alone
 def test_relayed_heartbeats_keep_a_2_s_lease_alive_for_10_s_through_the_serving_child() -> None:
     """Issue 50, item 3: a real vLLM decode's heartbeats, relayed by the isolated serving
     child, keep a 2 s lease alive for 10 s (a beat every 0.5 s: one late by more than 1.5 s
