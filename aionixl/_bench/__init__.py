@@ -391,21 +391,29 @@ def _run_fleet(args: argparse.Namespace, spec: Spec, started: float, started_at:
         fleet = {"error": f"{type(exc).__name__}: {exc}"}
         failed = True
     progress.done()
+    _report_alone(args, "fleet", f"{fleet_spec.hosts} hosts x {fleet_spec.engines_per_host} engines", machine,
+                  fleet, _fleet.table(fleet) if "error" not in fleet else f"FAILED (fleet): {fleet['error']}",
+                  started, started_at)
+    return 1 if failed else 0
+
+
+def _report_alone(args: argparse.Namespace, workload: str, title: str, machine: dict[str, Any],
+                  section: dict[str, Any], table: str, started: float, started_at: str) -> None:
+    """Print a workload that runs alone (its headline, its table) and write its JSON (``--json``),
+    the section under the workload's name."""
     elapsed = time.perf_counter() - started
     report: dict[str, Any] = {
         "schema": "aionixl-bench/1",
-        "headline": (f"aionixl bench --workload fleet{' --quick' if args.quick else ''}: "
-                     f"{fleet_spec.hosts} hosts x {fleet_spec.engines_per_host} engines; {machine['cpus']} "
-                     f"CPUs ({machine['processor']}); {elapsed:.1f} s"),
+        "headline": (f"aionixl bench --workload {workload}{' --quick' if args.quick else ''}: {title}; "
+                     f"{machine['cpus']} CPUs ({machine['processor']}); {elapsed:.1f} s"),
         "notes": [], "command": ["aionixl", "bench", *sys.argv[2:]], "started_at": started_at,
-        "elapsed_s": elapsed, "machine": machine, "fleet": fleet,
+        "elapsed_s": elapsed, "machine": machine, workload.replace("-", "_"): section,
     }
     print(report["headline"])
     print()
-    print(_fleet.table(fleet) if "error" not in fleet else f"FAILED (fleet): {fleet['error']}")
+    print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return 1 if failed else 0
 
 
 def _run_vllm_pairs(args: argparse.Namespace, started: float, started_at: str) -> int:
@@ -437,20 +445,8 @@ def _run_vllm_pairs(args: argparse.Namespace, started: float, started_at: str) -
     machine = _machine(replace(default_spec(), with_vllm=True), None)
     section = _vllm_pairs.run(pairs, progress)
     progress.done()
-    elapsed = time.perf_counter() - started
-    report: dict[str, Any] = {
-        "schema": "aionixl-bench/1",
-        "headline": (f"aionixl bench --workload vllm-pairs{' --quick' if args.quick else ''}: vLLM "
-                     f"{machine['vllm']} P/D pairs, NixlConnector against AionixlConnector; "
-                     f"{machine['cpus']} CPUs ({machine['processor']}); {elapsed:.1f} s"),
-        "notes": [], "command": ["aionixl", "bench", *sys.argv[2:]], "started_at": started_at,
-        "elapsed_s": elapsed, "machine": machine, "vllm_pairs": section,
-    }
-    print(report["headline"])
-    print()
-    print(_vllm_pairs.table(section))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    _report_alone(args, "vllm-pairs", f"vLLM {machine['vllm']} P/D pairs, NixlConnector against "
+                  "AionixlConnector", machine, section, _vllm_pairs.table(section), started, started_at)
     failed = any(r["verified"] < r["requests"] for r in section["rows"])
     if failed:
         print("FAILED: some requests failed or were not verified (see the table)", file=sys.stderr)
