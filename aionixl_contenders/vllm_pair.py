@@ -225,13 +225,20 @@ class VllmInstance:
                 raise self._fail(f"no answer within {timeout} s")
             ready, _, _ = select.select([self._fd], [], [], min(left, 1.0))
             if ready:
-                chunk = os.read(self._fd, 1 << 20)
-                if not chunk:
-                    raise self._fail(f"exited (code {self.proc.wait()})")
-                self._reader.feed(chunk)
+                self._read()
         if "error" in msg:
-            raise self._fail(f"{msg['error']}\n{msg.get('traceback', '')}")
+            raise self._error(msg)
         return msg
+
+    def _read(self) -> None:
+        """Take what arrived (the fd is readable); the child's exit raises."""
+        chunk = os.read(self._fd, 1 << 20)
+        if not chunk:
+            raise self._fail(f"exited (code {self.proc.wait()})")
+        self._reader.feed(chunk)
+
+    def _error(self, msg: dict[str, Any]) -> RuntimeError:
+        return self._fail(f"{msg['error']}\n{msg.get('traceback', '')}")
 
     def wait_ready(self, timeout: float = 600.0) -> VllmInstance:
         """Wait until the ``LLM`` is built."""
@@ -280,14 +287,11 @@ class VllmInstance:
 
     def messages(self) -> list[dict[str, Any]]:
         """The messages that arrived, after ``select`` found :meth:`fileno` readable."""
-        chunk = os.read(self._fd, 1 << 20)
-        if not chunk:
-            raise self._fail(f"exited (code {self.proc.wait()})")
-        self._reader.feed(chunk)
+        self._read()
         found = []
         while (msg := self._reader.pop()) is not None:
-            if "error" in msg and "failed" not in msg:
-                raise self._fail(f"{msg['error']}\n{msg.get('traceback', '')}")
+            if "error" in msg and "failed" not in msg:  # a request's failure is an answer
+                raise self._error(msg)
             found.append(msg)
         return found
 

@@ -166,7 +166,7 @@ def load_row(connector: str, round_: int, rate: float, requests: list[Request], 
 
 def processes(instances: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each instance's vLLM processes, keyed ``role/process`` (front end, EngineCore, Worker):
-    pid and thread count."""
+    pid, thread count and the main thread's CPUs."""
     out = {}
     for role, instance in instances.items():
         for p in instance.info():
@@ -176,10 +176,9 @@ def processes(instances: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def idle_cpu(instances: dict[str, Any], window_s: float) -> dict[str, float]:
+def idle_cpu(pids: dict[str, int], window_s: float) -> dict[str, float]:
     """Each process's CPU over ``window_s`` with no request anywhere, in cores; from 2 s after
     the last request (a vLLM worker busy-polls its input queue for 1 s after each read)."""
-    pids = {key: p["pid"] for key, p in processes(instances).items()}
     time.sleep(2.0)
     before = {key: cpu_seconds(pid) for key, pid in pids.items()}
     started = time.monotonic()
@@ -221,7 +220,7 @@ def run_pair(spec: PairsSpec, connector: str, round_: int, model: Path, log_dir:
         found = processes(instances)
         counts = {key: p["threads"] for key, p in found.items()}
         compute_cpus = {role: found[f"{role}/Worker"]["cpus"] for role in instances}
-        idle = idle_cpu(instances, spec.idle_s)
+        idle = idle_cpu({key: p["pid"] for key, p in found.items()}, spec.idle_s)
         stops = {role: instance.stop() for role, instance in instances.items()}
         return {"connector": connector, "round": round_, "start_s": start_s, "rows": rows,
                 "threads": counts, "worker_main_thread_cpus": compute_cpus, "idle_cpu_cores": idle,
