@@ -396,9 +396,15 @@ async def _close_once(ctx: Context, backend: str, first: bool, npeers: int | Non
     async with AsyncExitStack() as stack:
         with ctx.ucx_env(spec.slow_tls):
             # GET over tcp, as in earlier runs: these rows measure the poller and the close.
+            # Forced GET over tcp is the mode in which a reader that disconnects mid-read
+            # aborts the server (docs/read-modes.md), and on a loaded machine these 64 reads
+            # can outlast the default 0.5 s close_grace: the close waits for them instead,
+            # up to its close_timeout (they take tens of ms on a quiet machine).
+            config = EngineConfig(read_mode="get")
+            tuning = lowlevel.Tuning(close_grace=config.close_timeout)
             eng = await stack.enter_async_context(Engine(ctx.unique(f"aionixl-{backend}-tcp"),
-                                                         ctx.local.regions,
-                                                         config=EngineConfig(read_mode="get")))
+                                                         ctx.local.regions, config=config,
+                                                         tuning=tuning))
         peers = [await eng.connect(u.address, timeout=30)
                  for u in ctx.units[: spec.peers if npeers is None else npeers]]
         for p in peers:
