@@ -55,7 +55,7 @@ from ._staging import Staging
 from ._transfers import Transfers
 from ._vllm_connect import VllmConnector
 from ._vllm_serve import VllmServer
-from ._vllm_wire import heartbeat_message
+from ._vllm_wire import AionixlRoute, heartbeat_message
 from ._wire import FEATURES, REFUSAL_KINDS, user_message
 
 log = logging.getLogger("aionixl")
@@ -157,7 +157,8 @@ class Engine:
         self._push = Pusher(local, life, config, tuning, peers, table, deliver, noisy, refusals,
                             self._wake_drainer)
         self._handshakes = Handshakes(local, life, config, tuning, peers, noisy, host, self._wake_drainer)
-        self._vllm = VllmConnector(local, life, peers, config, tuning.max_peer_descriptors)
+        self._vllm = VllmConnector(local, life, peers, config, tuning.max_peer_descriptors,
+                                   self._handshakes.connect)
         self._vllm_server = VllmServer(local, config, tuning, noisy, self._wake_drainer, self._relayed, host)
         self._transfers = Transfers(local, life, config, tuning, peers, self._coalescer, direct, self._push,
                                     metrics, turns, self._handshakes.connect)
@@ -574,11 +575,12 @@ class Engine:
 
     async def _connect_vllm(self, address: str, *, pp_rank: int, tp_rank: int,
                             expect_compat_hash: str | None, timeout: float,
-                            expect_engine_id: str | None = None) -> Peer:
+                            expect_engine_id: str | None = None, prefer_aionixl: bool = False) -> Peer:
         """:func:`aionixl.vllm.connect`."""
         return await self._vllm.connect(address, pp_rank=pp_rank, tp_rank=tp_rank,
                                         expect_compat_hash=expect_compat_hash,
-                                        expect_engine_id=expect_engine_id, timeout=timeout)
+                                        expect_engine_id=expect_engine_id, timeout=timeout,
+                                        prefer_aionixl=prefer_aionixl)
 
     async def _serve_vllm(self, listen: str, *, engine_id: str, compat_hash: str, block_size: int,
                           kv_cache_layout: str, attn_backend_name: str, tp_rank: int, pp_rank: int,
@@ -599,7 +601,8 @@ class Engine:
         server.configure(engine_id=engine_id, compat_hash=compat_hash, block_size=block_size,
                          kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
                          pp_rank=pp_rank, tp_rank=tp_rank, layer_names=layer_names, isolate=isolate,
-                         exact_engine_id=exact_engine_id, progress_thread=progress_thread)
+                         exact_engine_id=exact_engine_id, progress_thread=progress_thread,
+                         route=None if self._address is None else AionixlRoute(self._address, self._name))
         assert self._bg_tg is not None
         try:
             with self._life.operation():

@@ -9,7 +9,9 @@ The public face is :func:`aionixl.vllm.connect`.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
@@ -19,13 +21,14 @@ from . import _protocol as proto
 from . import _zmq
 from ._checks import check_timeout
 from ._config import EngineConfig
-from ._errors import HandshakeError, IncompatiblePeerError
+from ._errors import AionixlError, EngineClosedError, HandshakeError, IncompatiblePeerError
 from ._lifecycle import Lifecycle, LocalSide
 from ._nixl import metadata_agent_name
 from ._peer import Peer
 from ._peers import PeerTable
 from ._protocol import Incompatible
 from ._vllm_wire import (
+    AionixlRoute,
     VllmHandshake,
     VllmRefused,
     VllmWireError,
@@ -37,6 +40,11 @@ from ._vllm_wire import (
 
 #: Replies larger than this are refused (vLLM's are ~1-2 KiB plus ~100 bytes per region).
 MAX_REPLY_BYTES = 16 << 20
+
+log = logging.getLogger("aionixl")
+
+#: Connects by aionixl's own handshake (``Handshakes.connect``: address, timeout).
+ConnectNative = Callable[[str, float], Awaitable[Peer]]
 
 
 def _endpoint(address: str) -> str:
@@ -83,10 +91,11 @@ class VllmConnector:
     """Connects one engine to vLLM prefill workers (see :func:`aionixl.vllm.connect`)."""
 
     def __init__(self, local: LocalSide, life: Lifecycle, peers: PeerTable, config: EngineConfig,
-                 max_descriptors: int) -> None:
+                 max_descriptors: int, connect_native: ConnectNative) -> None:
         self._local = local
         self._life = life
         self._peers = peers
+        self._connect_native = connect_native
         #: EngineConfig.require_equal_geometry: refuse a prefill whose block sizes differ.
         self._equal_geometry = config.require_equal_geometry
         self._max_descriptors = max_descriptors  # Tuning.max_peer_descriptors
@@ -96,7 +105,7 @@ class VllmConnector:
 
     async def connect(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                       expect_compat_hash: str | None = None, expect_engine_id: str | None = None,
-                      timeout: float = 10.0) -> Peer:
+                      timeout: float = 10.0, prefer_aionixl: bool = False) -> Peer:
         """Handshake with a vLLM NixlConnector prefill and admit its agent as a peer.
 
         Idempotent for a live peer at the same address and rank (``expect_compat_hash`` is
@@ -110,7 +119,14 @@ class VllmConnector:
         engine would read another's memory); ``HandshakeError`` for no answer or a bad reply. A
         prefill whose blocks differ in size (another TP, another block size) is admitted:
         parts of blocks move between the two (``aionixl.BlockPart``).
+
+        ``prefer_aionixl``: when the side channel is an aionixl engine's that names its own
+        handshake (:class:`AionixlRoute`), connect by that handshake instead, within half
+        of what is left of ``timeout`` (a peer of aionixl's own: read modes, probes,
+        goodbyes), and fall back to vLLM's wire when it fails or answers under another name.
         """
+        if not isinstance(prefer_aionixl, bool):
+            raise ValueError(f"prefer_aionixl must be a bool, got {prefer_aionixl!r}")
         self._life.check_open()
         endpoint = _endpoint(address)
         key = (endpoint, pp_rank, tp_rank)
@@ -130,6 +146,11 @@ class VllmConnector:
         if expect_engine_id is not None and md.engine_id != expect_engine_id:
             raise IncompatiblePeerError(f"{where}: not the expected engine {expect_engine_id!r} (it "
                                         "restarted since, or the address is wrong)", field="engine_id")
+        if prefer_aionixl and reply.aionixl is not None:
+            native = await self._by_aionixl(reply.aionixl, endpoint, where, deadline)
+            if native is not None:
+                self._remember(key, native, reply)
+                return native
         ours = self._local.regions
         try:
             theirs = regions(md, ours[0].mem_type)
@@ -149,10 +170,46 @@ class VllmConnector:
             peer = self._peers.admit_foreign(name, md.agent_metadata, theirs, endpoint)
         except proto.ProtocolError as exc:
             raise HandshakeError(f"unusable peer metadata from {endpoint}: {exc}") from exc
-        self._admitted = {k: v for k, v in self._admitted.items() if v[0].connected}
-        self._admitted[key] = (peer, reply.compatibility_hash, md.engine_id)
+        self._remember(key, peer, reply)
         await anyio.lowlevel.checkpoint()
         return peer
+
+    def _remember(self, key: tuple[str, int, int], peer: Peer, reply: VllmHandshake) -> None:
+        self._admitted = {k: v for k, v in self._admitted.items() if v[0].connected}
+        self._admitted[key] = (peer, reply.compatibility_hash, reply.metadata.engine_id)
+
+    async def _by_aionixl(self, route: AionixlRoute, endpoint: str, where: str,
+                          deadline: float) -> Peer | None:
+        """The peer aionixl's handshake at ``route`` admits, or None (logged) when that
+        fails or another agent than the side channel named answers there."""
+        address = _reachable(route.address, endpoint)
+        budget = (deadline - time.monotonic()) / 2
+        if budget <= 0:
+            return None
+        try:
+            peer = await self._connect_native(address, budget)
+        except EngineClosedError:
+            raise
+        except (AionixlError, ValueError) as exc:
+            log.warning("%s names aionixl's handshake at %s, which failed (%s); reading by vLLM's "
+                        "wire instead", where, address, exc)
+            return None
+        if peer.name != route.name:
+            log.warning("%s names aionixl agent %r at %s, but %r answered there; reading by vLLM's "
+                        "wire instead", where, route.name, address, peer.name)
+            return None
+        return peer
+
+
+def _reachable(address: str, side_channel: str) -> str:
+    """``address`` as this host reaches it: a wildcard host (an engine listening on every
+    interface) becomes the side channel's host, which answered from the same machine."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "tcp" and host.strip("[]") in ("*", "0.0.0.0", "::"):
+        side_host = side_channel.partition("://")[2].rpartition(":")[0]
+        return f"tcp://{side_host}:{port}"
+    return address
 
 
 def _check_hash(where: str, got: str, expected: str | None) -> None:

@@ -46,6 +46,7 @@ from ._shared import locate_all
 from ._vllm_sidecar import Served, Sidecar, agent_suffix
 from ._vllm_wire import (
     MAX_REQUEST_BYTES,
+    AionixlRoute,
     VllmWireError,
     decode_request,
     encode_payload,
@@ -148,10 +149,11 @@ class VllmServer:
     def configure(self, *, engine_id: str, compat_hash: str, block_size: int, kv_cache_layout: str,
                   attn_backend_name: str, pp_rank: int, tp_rank: int,
                   layer_names: Sequence[str] | None, isolate: bool, exact_engine_id: bool,
-                  progress_thread: bool) -> None:
+                  progress_thread: bool, route: AionixlRoute | None = None) -> None:
         """Check the arguments and build the reply (with ``isolate``, the serving child
         that :meth:`Sidecar.run` starts); ``ValueError`` for a bad one, ``RuntimeError``
-        when this engine serves vLLM already."""
+        when this engine serves vLLM already. ``route``: the engine's own handshake, named
+        in every reply for aionixl decoders (``aionixl.vllm.connect``)."""
         if self.configured:
             raise RuntimeError(f"engine {self._local.name!r} serves vLLM decoders already "
                                f"(at {self.address})")
@@ -167,7 +169,7 @@ class VllmServer:
             md = serving_metadata(served_id, metadata, regions, block_size=block_size,
                                   kv_cache_layout=kv_cache_layout, attn_backend_name=attn_backend_name,
                                   layer_names=layer_names)
-            return encode_payload(compat_hash, md)
+            return encode_payload(compat_hash, md, route)
 
         ours = [proto.RegionInfo.of(r) for r in self._local.regions]
         payload = describe(engine_id, self._local.metadata, ours)  # checks the arguments

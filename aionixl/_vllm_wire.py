@@ -66,9 +66,21 @@ class VllmAgentMetadata(msgspec.Struct, frozen=True):
     pcp_size: int = 1
 
 
-class _Payload(msgspec.Struct, frozen=True):
+class AionixlRoute(msgspec.Struct, frozen=True):
+    """An aionixl engine that serves vLLM decoders and also answers aionixl's own handshake:
+    where (``address``) and under which agent name (``name``). An aionixl decode connects
+    there instead (push reads over UCX TCP, probes, goodbyes); vLLM's decode ignores it."""
+
+    address: str
+    name: str
+
+
+class _Payload(msgspec.Struct, frozen=True, omit_defaults=True):
     compatibility_hash: str
     agent_metadata_bytes: bytes
+    #: aionixl's addition to vLLM's payload, absent unless the serving engine listens (an
+    #: extra key of a map, which vLLM's decoder skips; a NixlConnector prefill sends none).
+    aionixl: AionixlRoute | None = None
 
 
 class _Refusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -83,6 +95,9 @@ class VllmHandshake(msgspec.Struct, frozen=True):
     compatibility_hash: str
     metadata: VllmAgentMetadata
     remote_clock: float | None
+    #: Where the serving engine answers aionixl's handshake, when it is an aionixl engine
+    #: that listens for it; None from vLLM's own connector.
+    aionixl: AionixlRoute | None = None
 
 
 _payload_decoder = msgspec.msgpack.Decoder(_Payload)
@@ -120,7 +135,7 @@ def decode_reply(frames: Sequence[bytes], limit: int) -> VllmHandshake:
                             f"{exc}") from None
     if clock is not None and not math.isfinite(clock):
         clock = None
-    return VllmHandshake(payload.compatibility_hash, metadata, clock)
+    return VllmHandshake(payload.compatibility_hash, metadata, clock, payload.aionixl)
 
 
 def regions(md: VllmAgentMetadata, default_mem_type: str) -> list[proto.RegionInfo]:
@@ -279,11 +294,13 @@ def serving_metadata(engine_id: str, agent_metadata: bytes, ours: Sequence[proto
         region_mem_types=[r.mem_type for r in ours])
 
 
-def encode_payload(compatibility_hash: str, md: VllmAgentMetadata) -> bytes:
-    """The first reply frame (it does not change while an engine serves)."""
+def encode_payload(compatibility_hash: str, md: VllmAgentMetadata,
+                   aionixl: AionixlRoute | None = None) -> bytes:
+    """The first reply frame (it does not change while an engine serves); ``aionixl``: the
+    serving engine's own handshake, when it listens for one."""
     if not isinstance(compatibility_hash, str) or not compatibility_hash:
         raise ValueError("compat_hash must be a non-empty str (vLLM's compatibility hash)")
-    return _encoder.encode(_Payload(compatibility_hash, _encoder.encode(md)))
+    return _encoder.encode(_Payload(compatibility_hash, _encoder.encode(md), aionixl))
 
 
 def encode_reply(payload: bytes, clock: float) -> list[bytes]:

@@ -40,6 +40,7 @@ from ._checks import check_int, check_text
 from ._vllm_connect import MAX_REPLY_BYTES, fetch_metadata
 from ._vllm_serve import announced_id
 from ._vllm_wire import (
+    AionixlRoute,
     VllmAgentMetadata,
     VllmHandshake,
     heartbeat_message,
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_REPLY_BYTES",
+    "AionixlRoute",
     "VllmAgentMetadata",
     "VllmHandshake",
     "connect",
@@ -66,7 +68,7 @@ __all__ = [
 
 async def connect(engine: Engine, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                   expect_compat_hash: str | None = None, expect_engine_id: str | None = None,
-                  timeout: float = 10.0) -> Peer:
+                  timeout: float = 10.0, prefer_aionixl: bool = False) -> Peer:
     """Handshake with a vLLM NixlConnector prefill worker and admit its agent as a peer of
     ``engine``.
 
@@ -79,10 +81,19 @@ async def connect(engine: Engine, address: str, *, pp_rank: int = 0, tp_rank: in
     engine there announces another (``field="engine_id"``; a vLLM decode refuses it too);
     ``HandshakeError`` for no answer or a bad reply (docs/vllm.md). A prefill at another TP
     or block size is admitted: block parts move between the two (:mod:`aionixl.layouts`).
+
+    ``prefer_aionixl=True``: when the side channel is served by an aionixl engine that also
+    listens for aionixl's own handshake (:func:`serve` names it in its reply), connect to
+    that engine by aionixl's handshake instead, within half of the time left, and fall
+    back to vLLM's wire when that fails. The peer is then an aionixl peer: reads take
+    ``EngineConfig.read_mode`` (push over UCX TCP, so a reader dying mid-read cannot abort
+    the server), probes and goodbyes flow, and the read-done notification and heartbeats
+    release and extend the server's leases as they do over vLLM's wire.
     """
     return await engine._connect_vllm(address, pp_rank=pp_rank, tp_rank=tp_rank,
                                       expect_compat_hash=expect_compat_hash,
-                                      expect_engine_id=expect_engine_id, timeout=timeout)
+                                      expect_engine_id=expect_engine_id, timeout=timeout,
+                                      prefer_aionixl=prefer_aionixl)
 
 
 async def heartbeat(engine: Engine, peer: Peer, request_ids: Iterable[str]) -> None:
@@ -119,7 +130,11 @@ async def serve(engine: Engine, listen: str = "tcp://127.0.0.1:0", *, engine_id:
     second call). ``ValueError`` for a bad argument, ``ListenError`` when ``listen``
     cannot be bound (docs/vllm.md).
 
-    Decoders read from a NIXL agent of their own, never the engine's (docs/vllm.md).
+    vLLM decoders read from a NIXL agent of their own, never the engine's (docs/vllm.md).
+    When the engine listens for aionixl's handshake (``Engine(listen=...)``), every reply
+    also names that address and the engine's agent name (:class:`AionixlRoute`, a key
+    vLLM's decoder skips): an aionixl decode given ``prefer_aionixl=True`` in
+    :func:`connect` reads from the engine itself, as any aionixl peer does.
     ``isolate=True`` puts that agent in a child process that maps the regions (they must
     lie in :func:`aionixl.shared_dram` buffers): over UCX TCP a decode dying mid-read can
     make UCX abort the process that serves its read, and then only that child dies. The

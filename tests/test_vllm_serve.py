@@ -327,3 +327,72 @@ async def test_a_prefill_with_other_block_sizes_is_admitted_unless_equal_geometr
             with pytest.raises(aionixl.IncompatiblePeerError) as info:
                 await aionixl.vllm.connect(decode, address, timeout=10)
             assert info.value.field == "bytes_per_block[0]"
+
+
+@pytest.mark.parametrize("read_mode", ["get", "push"])
+async def test_a_listening_engine_names_its_handshake_and_an_aionixl_reader_that_prefers_it_reads_by_it(
+        read_mode: str) -> None:
+    """The side channel's reply names the engine's own handshake; a reader given
+    ``prefer_aionixl`` connects there and reads from the engine's agent (not the serving
+    agent), in its read mode, and the read-done and heartbeats still drive the lease."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=5)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    config = aionixl.EngineConfig(read_mode=read_mode)  # type: ignore[arg-type]
+    async with aionixl.Engine("p", src_cache) as prefill, \
+            aionixl.Engine("d", dst_cache, listen=None, config=config) as decode:
+        address = await aionixl.vllm.serve(prefill, **SERVE)
+        reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
+        assert reply.aionixl == aionixl.vllm.AionixlRoute(prefill.address or "", "p")
+        lease = prefill.lease("req-1", [4, 5, 6], duration=2)
+        peer = await aionixl.vllm.connect(decode, address, expect_engine_id=reply.metadata.engine_id,
+                                          timeout=10, prefer_aionixl=True)
+        assert peer.name == "p" and peer.features and peer.read_mode == read_mode
+        assert await aionixl.vllm.connect(decode, address, prefer_aionixl=True) is peer
+        await anyio.sleep(1.5)
+        await aionixl.vllm.heartbeat(decode, peer, ["req-1"])  # past its first 2 s: kept alive
+        await anyio.sleep(1.0)
+        await decode.transfer_blocks(peer, [0, 1, 2], [4, 5, 6],
+                                     notify=aionixl.vllm.read_notification("req-1"))
+        with anyio.fail_after(10):
+            await lease.wait()
+        assert all(np.array_equal(d[[0, 1, 2]], s[[4, 5, 6]])
+                   for d, s in zip(dst_cache, src_cache, strict=True))
+        metrics = prefill.metrics()
+        assert metrics.leases_released == 1 and metrics.leases_expired == 0
+        assert metrics.vllm_requests_answered == 2  # the fetch and the connect
+        assert prefill.live_resources()["remote_agents"] == 1  # "d", by aionixl's handshake
+    assert zero_resources(prefill) and zero_resources(decode)
+
+
+async def test_a_reader_reads_by_vllms_wire_without_a_named_handshake_or_when_that_handshake_fails(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No route (the engine does not listen), no ``prefer_aionixl``, or a route whose
+    handshake refuses this reader (another ``compat``): vLLM's wire, whose read works."""
+    src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=6)
+    dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
+    other = aionixl.EngineConfig(compat={"model": "other"})
+    for listen, config, prefer in (
+            (None, aionixl.EngineConfig(), True),
+            ("tcp://127.0.0.1:0", aionixl.EngineConfig(), False),
+            ("tcp://127.0.0.1:0", other, True)):
+        async with aionixl.Engine("p", src_cache, listen=listen) as prefill, \
+                aionixl.Engine("d", dst_cache, listen=None, config=config) as decode:
+            address = await aionixl.vllm.serve(prefill, **SERVE)
+            reply = await aionixl.vllm.fetch_metadata(address, timeout=10)
+            assert (reply.aionixl is None) == (listen is None)
+            caplog.clear()
+            peer = await aionixl.vllm.connect(decode, address, timeout=10, prefer_aionixl=prefer)
+            assert not peer.features and peer.name == metadata_agent_name(reply.metadata.agent_metadata)
+            await decode.transfer_blocks(peer, [3], [7])
+            assert all(np.array_equal(d[3], s[7]) for d, s in zip(dst_cache, src_cache, strict=True))
+            fell_back = [r for r in caplog.records if "reading by vLLM's wire instead" in r.getMessage()]
+            assert len(fell_back) == (1 if config is other else 0)
+        assert zero_resources(prefill) and zero_resources(decode)
+
+
+def test_a_wildcard_route_is_reached_at_the_side_channels_host() -> None:
+    from aionixl._vllm_connect import _reachable
+
+    assert _reachable("tcp://0.0.0.0:7001", "tcp://10.1.2.3:5600") == "tcp://10.1.2.3:7001"
+    assert _reachable("tcp://*:7001", "tcp://prefill-host:5600") == "tcp://prefill-host:7001"
+    assert _reachable("tcp://10.9.9.9:7001", "tcp://10.1.2.3:5600") == "tcp://10.9.9.9:7001"
