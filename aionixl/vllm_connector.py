@@ -7,7 +7,10 @@
 Wire-compatible with vLLM's ``NixlConnector`` in pull mode (the decode READs the prefill's
 blocks): the same ``kv_transfer_params``, side-channel handshake, notifications and
 heartbeats, so either side may be vLLM's connector and vLLM's disaggregation proxies work
-unchanged. The scheduler side is vLLM's own pull scheduler (its bookkeeping is the wire
+unchanged. Between two AionixlConnectors the prefill's side channel also names its
+engine's own handshake, and the decode reads as an aionixl peer (push reads over UCX TCP:
+a decode dying mid-read cannot abort the prefill), falling back to vLLM's wire when that
+handshake fails. The scheduler side is vLLM's own pull scheduler (its bookkeeping is the wire
 contract), minus its side-channel listener thread. The worker side is one aionixl
 :class:`~aionixl.Engine` on one event loop, in the one thread this connector starts (vLLM
 calls connectors synchronously, and nothing calls them while the engine is idle, so
@@ -66,7 +69,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AionixlConnector"]
 
-log = logging.getLogger("aionixl.vllm_connector")
+#: Under vLLM's logger, so that its lines go where vLLM's go (vLLM configures "vllm" only).
+log = logging.getLogger("vllm.aionixl_connector")
 
 
 class AionixlConnector(NixlBaseConnector):  # type: ignore[misc]  # vLLM is untyped here
@@ -178,6 +182,7 @@ class _Worker:
         self._delayed: set[str] = set()  # requests whose blocks the scheduler holds for us
         self._released_early: set[str] = set()  # read before the scheduler said so
         self._connecting: dict[tuple[str, int], anyio.Lock] = {}
+        self._reading_from: set[str] = set()  # prefill agents whose path was logged
 
     # ---- the worker's thread ---------------------------------------------------------------
 
@@ -236,11 +241,20 @@ class _Worker:
                    block_size: int, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         _run_anywhere()
         config = aionixl.EngineConfig(allow_unauthenticated=self._trusted_network,
-                                      transfer_timeout=self._transfer_timeout)
+                                      transfer_timeout=self._transfer_timeout,
+                                      compat={"vllm": compat_hash})
         name = f"aionixl-vllm-{self._engine_id}"
-        async with aionixl.Engine(name, regions, listen=None, config=config) as engine, \
-                anyio.create_task_group() as tg:
-            if self._role in ("kv_producer", "kv_both"):
+        serving = self._role in ("kv_producer", "kv_both")
+        # A prefill also answers aionixl's own handshake, on the side channel's host: the side
+        # channel names it to aionixl decodes, which then read as aionixl peers (push reads
+        # over UCX TCP: a decode dying mid-read cannot abort this process).
+        listen = f"{self._listen.rpartition(':')[0]}:0" if serving else None
+        try:
+            opened = aionixl.Engine(name, regions, listen=listen, config=config)
+        except aionixl.UnprotectedListenerError as exc:
+            raise _for_connector(exc) from exc
+        async with opened as engine, anyio.create_task_group() as tg:
+            if serving:
                 try:
                     await aionixl.vllm.serve(engine, self._listen, engine_id=self._engine_id,
                                              compat_hash=compat_hash, block_size=block_size,
@@ -248,9 +262,7 @@ class _Worker:
                                              layer_names=names, exact_engine_id=True,
                                              progress_thread=False)
                 except aionixl.UnprotectedListenerError as exc:
-                    raise aionixl.UnprotectedListenerError(
-                        f"{exc}. For AionixlConnector: serve on loopback, or on a trusted network set "
-                        '"aionixl_allow_unauthenticated": true in kv_connector_extra_config') from exc
+                    raise _for_connector(exc) from exc
             self._engine, self._tg, self._stopping = engine, tg, anyio.Event()
             task_status.started()
             await self._stopping.wait()
@@ -317,10 +329,16 @@ class _Worker:
         returns a live peer it admitted at once, asks again if another engine answers there
         now, and refuses one that is not ``engine_id`` (as vLLM's decode does: the block ids
         were that engine's); the lock makes the requests that arrive together wait for one
-        handshake instead of each making its own."""
+        handshake instead of each making its own. An AionixlConnector prefill is connected
+        by aionixl's own handshake (``prefer_aionixl``), vLLM's by its side channel."""
         async with self._connecting.setdefault((host, port), anyio.Lock()):
-            return await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", expect_engine_id=engine_id,
-                                              timeout=10.0)
+            peer = await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", expect_engine_id=engine_id,
+                                              timeout=10.0, prefer_aionixl=True)
+        if peer.name not in self._reading_from:
+            self._reading_from.add(peer.name)
+            how = f"aionixl's handshake ({peer.read_mode} reads)" if peer.features else "vLLM's side channel"
+            log.info("AionixlConnector reads from prefill %s at %s:%s by %s", engine_id, host, port, how)
+        return peer
 
     async def _read(self, engine: aionixl.Engine, req_id: str, req: Any) -> None:
         """Read one request's blocks from its prefill, the read-done riding on the read;
@@ -356,6 +374,13 @@ class _Worker:
             await aionixl.vllm.heartbeat(engine, peer, sorted(req_ids))
         except aionixl.AionixlError as exc:
             log.warning("heartbeat to %s at %s:%s failed: %s", remote_engine, host, port, exc)
+
+
+def _for_connector(exc: aionixl.UnprotectedListenerError) -> aionixl.UnprotectedListenerError:
+    """The engine's refusal to listen beyond loopback, with the connector's way out."""
+    return aionixl.UnprotectedListenerError(
+        f"{exc}. For AionixlConnector: serve on loopback, or on a trusted network set "
+        '"aionixl_allow_unauthenticated": true in kv_connector_extra_config')
 
 
 def _run_anywhere() -> None:

@@ -76,6 +76,9 @@ class ConnectorSpec:
     module_path: str | None = None
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = None  # None: the role's own
+    #: vLLM's ``kv_load_failure_policy``: a request whose KV could not be loaded fails, or
+    #: its prompt is computed here instead.
+    load_failure_policy: Literal["fail", "recompute"] = "fail"
 
 
 @dataclass(frozen=True)
@@ -163,12 +166,14 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
 
 class VllmInstance:
     """One vLLM ``LLM`` in a child process, started at construction; :meth:`wait_ready` waits
-    for it. Commands block until answered: these children never wait on this process."""
+    for it. Commands block until answered: these children never wait on this process.
+    ``env``: variables set in the child's environment on top of this process's."""
 
     def __init__(self, model: Path, role: Role, connector: ConnectorSpec | None = None, *,
                  side_channel_port: int | None = None, omp_bind: str | None = None,
                  log_path: Path | None = None, dtype: str = "bfloat16", max_model_len: int = 1024,
-                 kv_cache_bytes: int = 256 << 20, seed: int = 0, open_loop: bool = False) -> None:
+                 kv_cache_bytes: int = 256 << 20, seed: int = 0, open_loop: bool = False,
+                 env: Mapping[str, str] | None = None) -> None:
         if (connector is None) != (role == "single"):
             raise ValueError(f"a {role} instance needs {'no' if role == 'single' else 'a'} connector")
         self.role = role
@@ -186,16 +191,18 @@ class VllmInstance:
         if connector is not None:
             kv_role = connector.kv_role or KV_ROLES[role]
             args += ["--kv-connector", connector.kv_connector, "--kv-role", kv_role,
-                     "--extra-config", json.dumps(dict(connector.extra_config))]
+                     "--extra-config", json.dumps(dict(connector.extra_config)),
+                     "--load-failure-policy", connector.load_failure_policy]
             if connector.module_path:
                 args += ["--kv-connector-module-path", connector.module_path]
         read_fd, write_fd = os.pipe()
         try:
-            argv, env = module_command(MODULE, "--fd", str(write_fd), *args)
+            argv, child_env = module_command(MODULE, "--fd", str(write_fd), *args,
+                                             env={**os.environ, **(env or {})})
             with open(log_path, "ab") as log:
                 # A session of its own: a kill takes vLLM's processes (its grandchildren) with it.
                 self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log,
-                                             pass_fds=(write_fd,), env=env, start_new_session=True)
+                                             pass_fds=(write_fd,), env=child_env, start_new_session=True)
         finally:
             os.close(write_fd)
         self._fd = read_fd
@@ -420,7 +427,8 @@ def _engine_arguments(args: argparse.Namespace) -> dict[str, Any]:
         kv_transfer_config = KVTransferConfig(
             kv_connector=args.kv_connector, kv_role=args.kv_role, kv_buffer_device="cpu",
             kv_connector_module_path=args.kv_connector_module_path,
-            kv_connector_extra_config=json.loads(args.extra_config))
+            kv_connector_extra_config=json.loads(args.extra_config),
+            kv_load_failure_policy=args.load_failure_policy)
     return {"model": args.model, "skip_tokenizer_init": True, "dtype": args.dtype, "enforce_eager": True,
             "seed": args.seed, "block_size": BLOCK_SIZE, "max_model_len": args.max_model_len,
             "kv_cache_memory_bytes": args.kv_cache_bytes, "enable_prefix_caching": False,
@@ -599,6 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-connector-module-path")
     p.add_argument("--kv-role", choices=("kv_producer", "kv_consumer", "kv_both"))
     p.add_argument("--extra-config", default="{}", help="kv_connector_extra_config, as JSON")
+    p.add_argument("--load-failure-policy", choices=("fail", "recompute"), default="fail",
+                   help="kv_load_failure_policy")
     p.add_argument("--side-channel-port", type=int, required=True)
     p.add_argument("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND")
     p.add_argument("--dtype", default="bfloat16")

@@ -10,6 +10,7 @@ produces B's. Each pair of connectors runs K concurrent requests in one ``genera
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +65,7 @@ Fleet = dict[str, VllmInstance]
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """A prefill and a decode instance of each connector, and an AionixlConnector instance that
-    is both, started side by side. A decode reads from whichever prefill a request's
+    is both (UCX over TCP only, failed loads recomputed), started side by side. A decode reads from whichever prefill a request's
     ``kv_transfer_params`` name, so these make every pair; an instance asked without transfer params computes as a plain single instance
     does (the NixlConnector prefill gives the tokens a pair must reproduce). Stopped on the
     way out (the last test checks those stops)."""
@@ -76,10 +77,13 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             for role in ("prefill", "decode"):
                 instances[f"{role} {name}"] = VllmInstance(tiny_model, role, spec(name),  # type: ignore[arg-type]
                                                            log_path=log_dir / f"{role}-{name}.log")
-        # One instance both ways (kv_role "kv_both"): a prefill to some requests, a decode to others.
+        # One instance both ways (kv_role "kv_both"): a prefill to some requests, a decode to
+        # others; with UCX over TCP only, as between hosts, so that aionixl's push reads run,
+        # and vLLM's other kv_load_failure_policy.
+        both = replace(spec("AionixlConnector"), kv_role="kv_both", load_failure_policy="recompute")
         instances["both AionixlConnector"] = VllmInstance(
-            tiny_model, "prefill", replace(spec("AionixlConnector"), kv_role="kv_both"), omp_bind="1",
-            log_path=log_dir / "both-AionixlConnector.log")
+            tiny_model, "prefill", both, omp_bind="1", log_path=log_dir / "both-AionixlConnector.log",
+            env={"UCX_TLS": "tcp"})
         for instance in instances.values():
             instance.wait_ready(600)
         print(f"\n{len(instances)} instances ready in {time.monotonic() - started:.1f} s")
@@ -163,6 +167,53 @@ def test_a_kv_both_aionixl_instance_serves_reads_and_reads(fleet: Fleet, cases: 
     assert [o.token_ids for o in decoded] == [c.want_a for c in cases]
 
 
+def read_paths(instance: VllmInstance) -> dict[str, str]:
+    """How an AionixlConnector decode reads from each prefill it met (by engine id), from its log."""
+    text = instance.log_path.read_text(errors="replace")
+    return dict(re.findall(r"AionixlConnector reads from prefill (\S+) at \S+ by (.+)", text))
+
+
+@pytest.mark.slow
+def test_aionixl_decodes_read_aionixl_prefills_by_aionixls_handshake_and_vllms_by_its_side_channel(
+        fleet: Fleet, cases: list[Case]) -> None:
+    """Negotiated per prefill: an AionixlConnector prefill names its own handshake in vLLM's
+    reply, so an AionixlConnector decode reads it as an aionixl peer (GET on one host with
+    shared memory, push over UCX TCP), and a NixlConnector prefill by vLLM's wire; the
+    tokens prove the bytes either way."""
+    decode, both = fleet["decode AionixlConnector"], fleet["both AionixlConnector"]
+    paths = {}
+    for prefill_name, reader, reader_name in (
+            ("prefill AionixlConnector", decode, "decode"), ("prefill NixlConnector", decode, "decode"),
+            ("prefill AionixlConnector", both, "both")):
+        prefilled = fleet[prefill_name].prefill([c.a for c in cases])
+        decoded = reader.generate([c.b for c in cases], max_tokens=MAX_TOKENS,
+                                  kv_transfer_params=[o.kv_transfer_params for o in prefilled])
+        assert [o.token_ids for o in decoded] == [c.want_a for c in cases], prefill_name
+        engine_id = prefilled[0].kv_transfer_params["remote_engine_id"]  # type: ignore[index]
+        paths[prefill_name, reader_name] = read_paths(reader).get(engine_id)
+    assert paths == {("prefill AionixlConnector", "decode"): "aionixl's handshake (get reads)",
+                     ("prefill NixlConnector", "decode"): "vLLM's side channel",
+                     # UCX over TCP only on the reader: push, the server writes.
+                     ("prefill AionixlConnector", "both"): "aionixl's handshake (push reads)"}
+
+
+@pytest.mark.slow
+def test_a_decode_whose_kv_cannot_be_loaded_computes_the_prompt_itself_under_the_recompute_policy(
+        fleet: Fleet, cases: list[Case]) -> None:
+    """``kv_load_failure_policy: "recompute"`` (the kv_both instance): a request naming an
+    engine id the prefill does not have (as after a restart) fails its read, the connector
+    reports the blocks, and vLLM computes prompt B itself: B's tokens, not an error. The
+    same KV asked for under the right id is then read (which frees the prefill's blocks:
+    a vLLM engine holding unread blocks steps on, busy, until their lease runs out)."""
+    both, prefill = fleet["both AionixlConnector"], fleet["prefill AionixlConnector"]
+    params = [o.kv_transfer_params or {} for o in prefill.prefill([c.a for c in cases])]
+    wrong = [{**p, "remote_engine_id": "restarted-" + p["remote_engine_id"]} for p in params]
+    recomputed = both.generate([c.b for c in cases], max_tokens=MAX_TOKENS, kv_transfer_params=wrong)
+    assert [(o.token_ids, o.finish_reason) for o in recomputed] == [(c.got_b, "length") for c in cases]
+    decoded = both.generate([c.b for c in cases], max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert [o.token_ids for o in decoded] == [c.want_a for c in cases]
+
+
 def worker(instance: VllmInstance) -> dict[str, Any]:
     """The instance's vLLM worker process (pid, name, threads)."""
     (found,) = [p for p in instance.info() if p["name"] == "VLLM::Worker"]
@@ -172,9 +223,10 @@ def worker(instance: VllmInstance) -> dict[str, Any]:
 @pytest.mark.slow
 def test_an_aionixl_worker_runs_fewer_threads_than_a_nixl_connector_worker(fleet: Fleet) -> None:
     """Its loop thread plus what its NIXL agents and zmq start. Measured against a worker
-    with no connector (46 threads here): aionixl adds 4 on a prefill and 2 on a decode,
-    vLLM's NixlConnector 7-8 (its agent's threads, a handshake executor...); the check
-    keeps the difference."""
+    with no connector (46 threads here): aionixl adds 4 on a prefill and 4 on a decode (2 of
+    them zmq's, for aionixl's handshake: on a decode since it reads aionixl prefills as
+    aionixl peers), vLLM's NixlConnector 7-8 (its agent's threads, a handshake executor...);
+    the check keeps the difference."""
     counts = {name: worker(instance)["threads"] for name, instance in fleet.items()}
     print(f"\nworker threads: {counts}")
     for role in ("prefill", "decode"):
@@ -200,14 +252,12 @@ def test_an_idle_aionixl_worker_uses_at_most_5_percent_of_a_core(fleet: Fleet) -
         assert used[name] <= 0.05, used
 
 
-@pytest.mark.slow
-def test_an_aionixl_prefill_serves_on_after_a_decode_reading_from_it_is_sigkilled(
-        fleet: Fleet, cases: list[Case]) -> None:
-    """vLLM's NixlConnector decode is given many requests whose KV the aionixl prefill holds
-    and is SIGKILLed (its whole instance) 0.3 s later, while their reads are under way or
-    about to be. The aionixl prefill instance lives on and serves: the aionixl decode then
-    reads its next prefills and generates exactly A's tokens."""
-    prefill, victim = fleet["prefill AionixlConnector"], fleet["decode NixlConnector"]
+def kill_a_reader_mid_read(fleet: Fleet, cases: list[Case], victim_name: str) -> None:
+    """``victim_name`` is given many requests whose KV the aionixl prefill holds and is
+    SIGKILLed (its whole instance) 0.3 s later, while their reads are under way or about to
+    be. The aionixl prefill instance lives on and serves: the aionixl decode then reads its
+    next prefills and generates exactly A's tokens."""
+    prefill, victim = fleet["prefill AionixlConnector"], fleet[victim_name]
     prefilled = prefill.prefill([c.a for c in cases] * 8)
     victim.start_generate([c.b for c in cases] * 8, max_tokens=MAX_TOKENS,
                           kv_transfer_params=[o.kv_transfer_params for o in prefilled])
@@ -215,10 +265,27 @@ def test_an_aionixl_prefill_serves_on_after_a_decode_reading_from_it_is_sigkille
     assert victim.kill().killed
     time.sleep(1.0)  # whatever the reader's death does to the prefill's NIXL agent, it has done
     assert prefill.proc.poll() is None
-    again = prefill.prefill([c.a for c in cases])
+    again = [o.kv_transfer_params for o in prefill.prefill([c.a for c in cases])]
     decoded = fleet["decode AionixlConnector"].generate([c.b for c in cases], max_tokens=MAX_TOKENS,
-                                                        kv_transfer_params=[o.kv_transfer_params for o in again])
+                                                        kv_transfer_params=again)
     assert [o.token_ids for o in decoded] == [c.want_a for c in cases]
+
+
+@pytest.mark.slow
+def test_an_aionixl_prefill_serves_on_after_a_decode_reading_from_it_is_sigkilled(
+        fleet: Fleet, cases: list[Case]) -> None:
+    """vLLM's NixlConnector decode reads by GET from the prefill's serving agent (on one host
+    with shared memory here: see docs/vllm.md for UCX TCP)."""
+    kill_a_reader_mid_read(fleet, cases, "decode NixlConnector")
+
+
+@pytest.mark.slow
+def test_an_aionixl_prefill_serves_on_after_an_aionixl_decode_push_reading_from_it_over_tcp_is_sigkilled(
+        fleet: Fleet, cases: list[Case]) -> None:
+    """Over UCX TCP a decode dying mid-GET can abort the process that serves the GET;
+    between two AionixlConnectors the reads are pushes (the prefill writes), so the kv_both
+    instance (UCX over TCP only) is the victim here."""
+    kill_a_reader_mid_read(fleet, cases, "both AionixlConnector")
 
 
 @pytest.mark.slow
@@ -247,7 +314,7 @@ def test_every_instance_stops_cleanly_and_in_time(fleet: Fleet) -> None:
         reports = dict(zip(fleet, pool.map(VllmInstance.stop, fleet.values()), strict=True))
     for name, report in reports.items():
         print(f"\n{name} stop: {report}")
-        if name in ("prefill AionixlConnector", "decode NixlConnector"):
+        if name in ("prefill AionixlConnector", "decode NixlConnector", "both AionixlConnector"):
             continue  # SIGKILLed by the tests above
         assert report.exit_code == 0 and not report.killed and not report.leftover_pids, report
         assert report.engine_exit_codes == [0], report  # vLLM did not have to kill its engine core

@@ -59,3 +59,17 @@ async def test_a_read_done_before_the_schedulers_word_frees_the_blocks_once(anyi
                 await anyio.sleep(0.005)
         assert done == {"r2"} and not prefill.leases
         tg.cancel_scope.cancel()
+
+
+async def test_a_producer_on_a_host_others_reach_needs_the_trusted_network_opt_out(anyio_backend: str) -> None:
+    """A producer's engine listens for aionixl's handshake on the side channel's host: beyond
+    loopback that is refused before anything binds, with the connector's own way out in the
+    message (vLLM's side channel has no authentication either)."""
+    import numpy as np
+
+    worker = producer()
+    worker._listen = "tcp://10.255.0.1:5600"  # VLLM_NIXL_SIDE_CHANNEL_HOST=10.255.0.1
+    regions = [np.zeros((4, 4096), np.uint8)]
+    with pytest.raises(aionixl.UnprotectedListenerError, match="aionixl_allow_unauthenticated"):
+        await worker._run(regions, ["model.layers.0.self_attn.attn"], "CPU_ATTN", "c0ffee", 32,
+                          task_status=anyio.TASK_STATUS_IGNORED)
