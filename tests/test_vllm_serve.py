@@ -34,6 +34,16 @@ SERVE = {"engine_id": "prefill-0", "compat_hash": "c0ffee" * 8, "block_size": 16
          "kv_cache_layout": "LBHNC", "attn_backend_name": "CPU_ATTN"}
 
 
+async def read_and_release(decode: aionixl.Engine, peer: aionixl.Peer, lease: aionixl.Lease,
+                           dst_cache: list[np.ndarray], src_cache: list[np.ndarray]) -> None:
+    """Read the prefill's blocks 4-6 into 0-2 with the read-done of ``lease`` ("req-1"): the
+    lease ends, and the bytes are the prefill's."""
+    await decode.transfer_blocks(peer, [0, 1, 2], [4, 5, 6], notify=aionixl.vllm.read_notification("req-1"))
+    with anyio.fail_after(10):
+        await lease.wait()
+    assert all(np.array_equal(d[[0, 1, 2]], s[[4, 5, 6]]) for d, s in zip(dst_cache, src_cache, strict=True))
+
+
 async def test_an_aionixl_reader_reads_through_the_vllm_side_channel_and_releases_the_lease() -> None:
     src_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS, seed=3)
     dst_cache = numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS)
@@ -46,12 +56,7 @@ async def test_an_aionixl_reader_reads_through_the_vllm_side_channel_and_release
                                           timeout=10)
         assert [r.block_bytes for r in peer.regions] == [BLOCK_BYTES] * REGIONS
         await aionixl.vllm.heartbeat(decode, peer, ["req-1"])
-        await decode.transfer_blocks(peer, [0, 1, 2], [4, 5, 6],
-                                     notify=aionixl.vllm.read_notification("req-1"))
-        with anyio.fail_after(10):
-            await lease.wait()
-        assert all(np.array_equal(d[[0, 1, 2]], s[[4, 5, 6]])
-                   for d, s in zip(dst_cache, src_cache, strict=True))
+        await read_and_release(decode, peer, lease, dst_cache, src_cache)
         assert prefill.metrics().vllm_requests_answered == 1
         assert prefill.metrics().leases_released == 1
     assert zero_resources(prefill) and zero_resources(decode)
@@ -351,12 +356,7 @@ async def test_a_listening_engine_names_its_handshake_and_an_aionixl_reader_that
         await anyio.sleep(1.5)
         await aionixl.vllm.heartbeat(decode, peer, ["req-1"])  # past its first 2 s: kept alive
         await anyio.sleep(1.0)
-        await decode.transfer_blocks(peer, [0, 1, 2], [4, 5, 6],
-                                     notify=aionixl.vllm.read_notification("req-1"))
-        with anyio.fail_after(10):
-            await lease.wait()
-        assert all(np.array_equal(d[[0, 1, 2]], s[[4, 5, 6]])
-                   for d, s in zip(dst_cache, src_cache, strict=True))
+        await read_and_release(decode, peer, lease, dst_cache, src_cache)
         metrics = prefill.metrics()
         assert metrics.leases_released == 1 and metrics.leases_expired == 0
         assert metrics.vllm_requests_answered == 2  # the fetch and the connect
