@@ -61,7 +61,8 @@ async def test_a_read_done_before_the_schedulers_word_frees_the_blocks_once(anyi
         tg.cancel_scope.cancel()
 
 
-async def test_a_producer_on_a_host_others_reach_needs_the_trusted_network_opt_out(anyio_backend: str) -> None:
+async def test_a_producer_on_a_host_others_reach_needs_the_trusted_network_opt_out(
+        anyio_backend: str) -> None:
     """A producer's engine listens for aionixl's handshake on the side channel's host: beyond
     loopback that is refused before anything binds, with the connector's own way out in the
     message (vLLM's side channel has no authentication either)."""
@@ -73,3 +74,53 @@ async def test_a_producer_on_a_host_others_reach_needs_the_trusted_network_opt_o
     with pytest.raises(aionixl.UnprotectedListenerError, match="aionixl_allow_unauthenticated"):
         await worker._run(regions, ["model.layers.0.self_attn.attn"], "CPU_ATTN", "c0ffee", 32,
                           task_status=anyio.TASK_STATUS_IGNORED)
+
+
+def consumer() -> _Worker:
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+        parallel_config=SimpleNamespace(data_parallel_index=0))
+    return _Worker(config, "decode-engine")  # type: ignore[arg-type]
+
+
+async def test_requests_waiting_behind_a_handshake_nobody_answers_fail_with_it(anyio_backend: str) -> None:
+    """Three requests whose prefill's side channel never answers (the prefill stopped, or gone
+    with its port taken): one handshake is tried, and when it times out all three are
+    reported failed with their blocks (for vLLM's kv_load_failure_policy), instead of each
+    trying in turn (a handshake timeout each)."""
+    import numpy as np
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with aionixl.Engine("decode", [np.zeros((4, 4096), np.uint8)], listen=None) as engine, \
+                anyio.create_task_group() as tg:
+            worker = consumer()
+            worker._engine, worker._tg, worker._handshake_timeout = engine, tg, 1.0
+            remote = {"engine_id": "prefill-engine", "host": "127.0.0.1", "port": port}
+            reqs = {f"r{i}": SimpleNamespace(remote=SimpleNamespace(**remote, block_ids=[[i]],
+                                                                    request_id=f"p{i}"),
+                                             local_block_ids=[[i]], awaiting_kvs=True) for i in range(3)}
+            await worker._apply(step(reqs_to_recv=reqs))
+            failed: set[str] = set()
+            errors: set[int] = set()
+            with anyio.fail_after(30):
+                while len(failed) < 3:
+                    await anyio.sleep(0.05)
+                    results = worker.results()
+                    assert results.failed_recving <= results.finished_recving  # reported as ended too
+                    failed |= results.failed_recving
+                    errors |= worker.load_errors()
+            assert failed == set(reqs) and errors == {0, 1, 2}
+            asked = 0
+            while silent.poll(0):
+                silent.recv_multipart()
+                asked += 1
+            assert asked == 1
+            tg.cancel_scope.cancel()
+    finally:
+        silent.close(linger=0)
+        ctx.term()
