@@ -56,3 +56,14 @@ class EngineClosedError(AionixlError):
 class DiscoveryError(AionixlError):
     """Discovery failed: the registry (etcd) did not answer in time or refused, no engine of
     that name registered in time, or the name is held by a live engine already."""
+
+
+def same_kind(error: BaseException, message: str) -> Exception:
+    """A fresh error of the same public kind, for callers that shared a failed handshake."""
+    if isinstance(error, IncompatiblePeerError):
+        return IncompatiblePeerError(message, field=error.field)
+    if isinstance(error, ValueError):
+        return ValueError(message)
+    if isinstance(error, EngineClosedError):
+        return EngineClosedError(message)
+    return HandshakeError(message)

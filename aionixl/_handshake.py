@@ -27,6 +27,7 @@ from ._errors import (
     HandshakeError,
     IncompatiblePeerError,
     ListenError,
+    same_kind,
 )
 from ._lifecycle import OPEN, Lifecycle, LocalSide
 from ._peer import Peer
@@ -163,7 +164,7 @@ class Handshakes:
                     if error is not None:
                         if self._config.connect_retries and _retryable(error):
                             continue  # the shared attempt gave up; this caller has time left
-                        raise _same_kind(error, f"connecting to {address}: {error}") from error
+                        raise same_kind(error, f"connecting to {address}: {error}") from error
                 done = anyio.Event()
                 self._connecting[address] = done
                 self._connect_errors.pop(address, None)
@@ -291,14 +292,3 @@ def _unsigned_refusal(frames: list[bytes], limit: int) -> str:
     if isinstance(reply, proto.Reject):
         return f"; it says: {proto.clip(reply.code, 40)}: {proto.clip(reply.reason)}"
     return ""
-
-
-def _same_kind(error: BaseException, message: str) -> Exception:
-    """A fresh error of the same public kind, for callers that shared a failed handshake."""
-    if isinstance(error, IncompatiblePeerError):
-        return IncompatiblePeerError(message, field=error.field)
-    if isinstance(error, ValueError):
-        return ValueError(message)
-    if isinstance(error, EngineClosedError):
-        return EngineClosedError(message)
-    return HandshakeError(message)

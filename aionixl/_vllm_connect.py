@@ -21,7 +21,7 @@ from . import _protocol as proto
 from . import _zmq
 from ._checks import check_timeout
 from ._config import EngineConfig
-from ._errors import AionixlError, EngineClosedError, HandshakeError, IncompatiblePeerError
+from ._errors import AionixlError, EngineClosedError, HandshakeError, IncompatiblePeerError, same_kind
 from ._lifecycle import Lifecycle, LocalSide
 from ._nixl import metadata_agent_name
 from ._peer import Peer
@@ -102,6 +102,12 @@ class VllmConnector:
         #: (endpoint, pp_rank, tp_rank) -> the peer admitted for it, vLLM's compat hash and the
         #: engine id it announced: one side channel serves several ranks, each its own agent.
         self._admitted: dict[tuple[str, int, int], tuple[Peer, str, str]] = {}
+        #: The handshake under way per (endpoint, pp_rank, tp_rank): callers that arrive
+        #: meanwhile wait for it instead of each asking the side channel.
+        self._pending: dict[tuple[str, int, int], anyio.Event] = {}
+        #: The last failed handshake per key: what it expected (engine id, compat hash) and
+        #: why it failed; the callers that waited for it and expected the same share it.
+        self._failed: dict[tuple[str, int, int], tuple[tuple[str | None, str | None], Exception]] = {}
 
     async def connect(self, address: str, *, pp_rank: int = 0, tp_rank: int = 0,
                       expect_compat_hash: str | None = None, expect_engine_id: str | None = None,
@@ -124,22 +130,62 @@ class VllmConnector:
         handshake (:class:`AionixlRoute`), connect by that handshake instead, within half
         of what is left of ``timeout`` (a peer of aionixl's own: read modes, probes,
         goodbyes), and fall back to vLLM's wire when it fails or answers under another name.
+
+        Calls for one address and rank while a handshake with it is under way wait for that
+        one; if it fails, those that expected the same engine id and hash fail with it (a
+        fresh error of the same kind), instead of each asking again in turn.
         """
         if not isinstance(prefer_aionixl, bool):
             raise ValueError(f"prefer_aionixl must be a bool, got {prefer_aionixl!r}")
         self._life.check_open()
         endpoint = _endpoint(address)
         key = (endpoint, pp_rank, tp_rank)
-        known = self._admitted.get(key)
-        if known is not None and known[0].connected and expect_engine_id in (None, known[2]):
-            peer, compat_hash, _ = known
-            _check_hash(f"vLLM peer {peer.name!r} at {endpoint}", compat_hash, expect_compat_hash)
-            await anyio.lowlevel.checkpoint()
-            return peer
-        check_timeout(timeout, "timeout")
-        deadline = time.monotonic() + timeout
+        expected = (expect_engine_id, expect_compat_hash)
+        deadline = None
+        while True:
+            known = self._admitted.get(key)
+            if known is not None and known[0].connected and expect_engine_id in (None, known[2]):
+                peer, compat_hash, _ = known
+                _check_hash(f"vLLM peer {peer.name!r} at {endpoint}", compat_hash, expect_compat_hash)
+                await anyio.lowlevel.checkpoint()
+                return peer
+            if deadline is None:
+                check_timeout(timeout, "timeout")
+                deadline = time.monotonic() + timeout
+            pending = self._pending.get(key)
+            if pending is None:
+                break
+            with self._life.operation(), anyio.move_on_after(deadline - time.monotonic()) as scope:
+                await pending.wait()
+            if scope.cancelled_caught:
+                raise HandshakeError(f"the handshake with the vLLM side channel at {endpoint} under way "
+                                     f"did not end within {timeout} s")
+            self._life.check_open()
+            failed = self._failed.get(key)
+            if failed is not None and failed[0] == expected:
+                raise same_kind(failed[1], f"connecting to {endpoint}: {failed[1]}") from failed[1]
+        done = self._pending[key] = anyio.Event()
+        self._failed.pop(key, None)
+        try:
+            return await self._handshake(endpoint, key, pp_rank, tp_rank, expect_compat_hash,
+                                         expect_engine_id, timeout, deadline, prefer_aionixl)
+        except Exception as exc:
+            self._failed[key] = (expected, exc)
+            raise
+        finally:
+            del self._pending[key]
+            done.set()
+
+    async def _handshake(self, endpoint: str, key: tuple[str, int, int], pp_rank: int, tp_rank: int,
+                         expect_compat_hash: str | None, expect_engine_id: str | None, timeout: float,
+                         deadline: float, prefer_aionixl: bool) -> Peer:
+        """One handshake with the side channel at ``endpoint`` (see :meth:`connect`)."""
         with self._life.operation():  # closing the engine ends the wait with EngineClosedError
-            reply = await fetch_metadata(endpoint, pp_rank=pp_rank, tp_rank=tp_rank, timeout=timeout)
+            left = deadline - time.monotonic()  # less than timeout after waiting for another's
+            if left <= 0:
+                raise HandshakeError(f"no time left of {timeout} s to ask the vLLM side channel at "
+                                     f"{endpoint}")
+            reply = await fetch_metadata(endpoint, pp_rank=pp_rank, tp_rank=tp_rank, timeout=left)
         md = reply.metadata
         where = f"vLLM engine {md.engine_id!r} at {endpoint}"
         _check_hash(where, reply.compatibility_hash, expect_compat_hash)

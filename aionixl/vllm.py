@@ -81,6 +81,8 @@ async def connect(engine: Engine, address: str, *, pp_rank: int = 0, tp_rank: in
     engine there announces another (``field="engine_id"``; a vLLM decode refuses it too);
     ``HandshakeError`` for no answer or a bad reply (docs/vllm.md). A prefill at another TP
     or block size is admitted: block parts move between the two (:mod:`aionixl.layouts`).
+    Calls for one address and rank while a handshake with it is under way wait for that one
+    and, expecting the same engine id and hash, share its failure.
 
     ``prefer_aionixl=True``: when the side channel is served by an aionixl engine that also
     listens for aionixl's own handshake (:func:`serve` names it in its reply), connect to

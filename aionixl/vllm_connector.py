@@ -181,7 +181,6 @@ class _Worker:
         self._leases: dict[str, aionixl.Lease] = {}
         self._delayed: set[str] = set()  # requests whose blocks the scheduler holds for us
         self._released_early: set[str] = set()  # read before the scheduler said so
-        self._dials: dict[tuple[str, int], _Dial] = {}
         self._handshake_timeout = 10.0
         self._reading_from: set[str] = set()  # prefill agents whose path was logged
 
@@ -329,21 +328,11 @@ class _Worker:
         """The prefill ``engine_id`` at ``host:port`` (vLLM's side channel). ``aionixl.vllm.connect``
         returns a live peer it admitted at once, asks again if another engine answers there
         now, and refuses one that is not ``engine_id`` (as vLLM's decode does: the block ids
-        were that engine's). An AionixlConnector prefill is connected by aionixl's own
-        handshake (``prefer_aionixl``), vLLM's by its side channel. See :class:`_Dial` for
-        requests that arrive together."""
-        dial = self._dials.setdefault((host, port), _Dial())
-        seen = dial.failures
-        async with dial.lock:
-            if dial.failures != seen and dial.failed_for == engine_id:
-                raise aionixl.HandshakeError(f"the handshake this request waited for failed: "
-                                             f"{dial.error}") from dial.error
-            try:
-                peer = await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", expect_engine_id=engine_id,
-                                                  timeout=self._handshake_timeout, prefer_aionixl=True)
-            except aionixl.AionixlError as exc:
-                dial.failures, dial.failed_for, dial.error = dial.failures + 1, engine_id, exc
-                raise
+        were that engine's); requests that arrive together wait for one handshake, and share
+        its failure. An AionixlConnector prefill is connected by aionixl's own handshake
+        (``prefer_aionixl``), vLLM's by its side channel."""
+        peer = await aionixl.vllm.connect(engine, f"tcp://{host}:{port}", expect_engine_id=engine_id,
+                                          timeout=self._handshake_timeout, prefer_aionixl=True)
         if peer.name not in self._reading_from:
             self._reading_from.add(peer.name)
             how = f"aionixl's handshake ({peer.read_mode} reads)" if peer.features else "vLLM's side channel"
@@ -384,22 +373,6 @@ class _Worker:
             await aionixl.vllm.heartbeat(engine, peer, sorted(req_ids))
         except aionixl.AionixlError as exc:
             log.warning("heartbeat to %s at %s:%s failed: %s", remote_engine, host, port, exc)
-
-
-class _Dial:
-    """The handshakes with one prefill side channel: one at a time, so that the requests that
-    arrive together wait for one handshake instead of each making its own; and those that
-    waited behind one that failed, for the same engine id, share its failure instead of
-    each trying again in turn (against a prefill that is gone, a try costs the whole
-    handshake timeout: 24 waiting requests would take 24 of them)."""
-
-    __slots__ = ("lock", "failures", "failed_for", "error")
-
-    def __init__(self) -> None:
-        self.lock = anyio.Lock()
-        self.failures = 0
-        self.failed_for = ""  # the engine id the last failed handshake expected
-        self.error: aionixl.AionixlError | None = None
 
 
 def _for_connector(exc: aionixl.UnprotectedListenerError) -> aionixl.UnprotectedListenerError:

@@ -396,3 +396,44 @@ def test_a_wildcard_route_is_reached_at_the_side_channels_host() -> None:
     assert _reachable("tcp://0.0.0.0:7001", "tcp://10.1.2.3:5600") == "tcp://10.1.2.3:7001"
     assert _reachable("tcp://*:7001", "tcp://prefill-host:5600") == "tcp://prefill-host:7001"
     assert _reachable("tcp://10.9.9.9:7001", "tcp://10.1.2.3:5600") == "tcp://10.9.9.9:7001"
+
+
+async def test_vllm_connects_that_arrive_together_share_one_handshake_and_its_failure() -> None:
+    """Three calls for one side channel at once: it is asked once. Against one that never
+    answers all three fail with that one handshake's timeout (a HandshakeError each);
+    against a live one all three get the same peer."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with aionixl.Engine("p", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as prefill, \
+                aionixl.Engine("d", numpy_cache(BLOCKS, BLOCK_BYTES, REGIONS), listen=None) as decode:
+            failures: list[BaseException] = []
+            peers: list[aionixl.Peer] = []
+
+            async def connect(address: str) -> None:
+                try:
+                    peers.append(await aionixl.vllm.connect(decode, address, timeout=1.0))
+                except aionixl.HandshakeError as exc:
+                    failures.append(exc)
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(3):
+                        tg.start_soon(connect, f"tcp://127.0.0.1:{port}")
+            assert len(failures) == 3 and not peers
+            asked = 0
+            while silent.poll(0):
+                silent.recv_multipart()
+                asked += 1
+            assert asked == 1
+            address = await aionixl.vllm.serve(prefill, **SERVE)
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(connect, address)
+            assert len(peers) == 3 and peers[0] is peers[1] is peers[2]
+            assert prefill.metrics().vllm_requests_answered == 1
+    finally:
+        silent.close(linger=0)
+        ctx.term()
